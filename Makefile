@@ -1,0 +1,29 @@
+# Every target creates or refreshes .venv itself (pinned by requirements/constraints.txt).
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: venv demo test bench clean
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "installing dpsweep and its pinned dependencies into $(VENV) (a few minutes the first time; log: $(VENV)/install.log)"
+	$(BIN)/pip install -q -c requirements/constraints.txt -e '.[dev]' > $(VENV)/install.log 2>&1 || { tail -n 40 $(VENV)/install.log; exit 1; }
+	$(BIN)/python -c "import torch, torchvision, ray, mlflow, opacus, dp_accounting, scipy, pydantic" 
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python benchmarks/pixeldp_mnist.py --demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/pixeldp_mnist.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,80 @@
+"""Input validation shared by every dpmech module.
+
+Every public function of dpmech checks its arguments before doing any work and raises
+``ValueError`` with a one-line message that names the parameter and the rule it broke
+(DESIGN.md, "Conventions"). Nothing is silently clamped.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Iterable
+
+
+def _real(name: str, value) -> float:
+    """Return ``value`` as a float, refusing bools, strings, None and NaN."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    out = float(value)
+    if math.isnan(out):
+        raise ValueError(f"{name} must not be NaN")
+    return out
+
+
+def positive(name: str, value, *, allow_inf: bool = False) -> float:
+    """``value > 0`` and finite (unless ``allow_inf``)."""
+    out = _real(name, value)
+    if not allow_inf and math.isinf(out):
+        raise ValueError(f"{name} must be finite, got {out}")
+    if out <= 0:
+        raise ValueError(f"{name} must be > 0, got {out}")
+    return out
+
+
+def non_negative(name: str, value) -> float:
+    """``value >= 0`` and finite."""
+    out = _real(name, value)
+    if math.isinf(out):
+        raise ValueError(f"{name} must be finite, got {out}")
+    if out < 0:
+        raise ValueError(f"{name} must be >= 0, got {out}")
+    return out
+
+
+def open_unit(name: str, value) -> float:
+    """``0 < value < 1`` (a delta, a failure probability)."""
+    out = _real(name, value)
+    if not 0.0 < out < 1.0:
+        raise ValueError(f"{name} must be in the open interval (0, 1), got {out}")
+    return out
+
+
+def unit_interval(name: str, value, *, low_open: bool = False, high_open: bool = False) -> float:
+    """``value`` in [0, 1] with optionally open ends."""
+    out = _real(name, value)
+    lo_ok = out > 0 if low_open else out >= 0
+    hi_ok = out < 1 if high_open else out <= 1
+    if not (lo_ok and hi_ok):
+        lo = "(" if low_open else "["
+        hi = ")" if high_open else "]"
+        raise ValueError(f"{name} must be in {lo}0, 1{hi}, got {out}")
+    return out
+
+
+def positive_int(name: str, value, *, minimum: int = 1) -> int:
+    """An integer ``>= minimum`` (bools refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    out = int(value)
+    if out < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {out}")
+    return out
+
+
+def choice(name: str, value, options: Iterable[str]) -> str:
+    """``value`` is one of ``options`` (strings)."""
+    opts = tuple(options)
+    if not isinstance(value, str) or value not in opts:
+        raise ValueError(f"{name} must be one of {', '.join(repr(o) for o in opts)}; got {value!r}")
+    return value
