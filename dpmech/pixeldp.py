@@ -8,6 +8,7 @@ The trainer holds everything a restart needs (model, optimizer, RNG states, epoc
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import asdict, dataclass
 
@@ -185,10 +186,11 @@ class PixelDPTrainer:
 
     # -------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:
+        """A snapshot (deep copy) of everything needed to continue training bit for bit."""
         noise_gen = None
         if self.model.has_noise:
             noise_gen = self.model.noise.generator(self.device).get_state()
-        return {
+        return copy.deepcopy({
             "config": self.config.to_dict(),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -196,7 +198,7 @@ class PixelDPTrainer:
             "noise_gen": noise_gen,
             "epoch": self.epoch,
             "steps": self.steps,
-        }
+        })
 
     def load_state_dict(self, state: dict) -> None:
         if state["config"] != self.config.to_dict():

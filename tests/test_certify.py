@@ -1,0 +1,187 @@
+"""Certification: confidence-bound coverage, soundness on a linear classifier, monotonicity."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from dpmech.certify import (
+    MonteCarloEstimate,
+    bernstein_bounds,
+    certified_accuracy,
+    certified_size,
+    certify,
+    clopper_pearson,
+    hoeffding_bounds,
+    max_epsilon,
+    robust,
+)
+from dpmech.noise_layer import NoiseLayer
+
+TRIALS = 10_000
+
+
+def _slack(alpha: float) -> float:
+    # 3 standard deviations of the miss rate of TRIALS independent intervals.
+    return 3 * math.sqrt(alpha * (1 - alpha) / TRIALS)
+
+
+@pytest.mark.parametrize("p", [0.02, 0.3, 0.5, 0.93])
+def test_clopper_pearson_coverage(p):
+    rng = np.random.default_rng(7)
+    n, alpha = 200, 0.05
+    k = rng.binomial(n, p, size=TRIALS)
+    lo, hi = clopper_pearson(k, n, alpha)
+    miss = np.mean((p < lo) | (p > hi))
+    assert miss <= alpha + _slack(alpha)
+    # negative control: a too-narrow interval (Wald with z = 1) misses far more often than
+    # alpha, so this coverage test can fail.
+    phat = k / n
+    half = 1.0 * np.sqrt(phat * (1 - phat) / n)
+    assert np.mean((p < phat - half) | (p > phat + half)) > alpha + _slack(alpha)
+
+
+def _estimate_from_scores(scores: np.ndarray) -> MonteCarloEstimate:
+    """scores: [trials, n, K] softmax-like draws -> one MonteCarloEstimate over the trials."""
+    n = scores.shape[1]
+    counts = np.zeros((scores.shape[0], scores.shape[2]), dtype=np.int64)
+    top = scores.argmax(axis=2)
+    for kk in range(scores.shape[2]):
+        counts[:, kk] = (top == kk).sum(axis=1)
+    return MonteCarloEstimate(counts, scores.mean(axis=1), (scores**2).mean(axis=1), n)
+
+
+@pytest.mark.parametrize("bound_fn", [hoeffding_bounds, bernstein_bounds])
+def test_score_bounds_cover_all_classes_jointly(bound_fn):
+    rng = np.random.default_rng(11)
+    eta, K, n = 0.9, 3, 100
+    # scores: a random softmax of Gaussian logits with known expectation (by a huge sample)
+    logits_mean = np.array([1.0, 0.5, -0.5])
+    def draw(size):
+        z = logits_mean + rng.normal(0, 1.5, size=size + (K,))
+        e = np.exp(z - z.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+    truth = draw((400_000,)).mean(axis=0)
+    est = _estimate_from_scores(draw((2000, n)))
+    lo, hi = bound_fn(est, eta)
+    miss = np.mean(((truth < lo) | (truth > hi)).any(axis=1))
+    assert miss <= (1 - eta) + 3 * math.sqrt(0.1 * 0.9 / 2000)
+    # the intervals are informative (not the trivial [0, 1])
+    assert np.mean(hi - lo) < 0.5
+
+
+# ----------------------------------------------------------------- the PixelDP test and the size
+
+
+def test_robust_condition_is_proposition_1():
+    assert robust(0.9, 0.05, 1.0, 1e-5)
+    lb, ub, eps, d = 0.6, 0.2, 0.5, 0.01
+    assert robust(lb, ub, eps, d) == (lb > math.exp(2 * eps) * ub + (1 + math.exp(eps)) * d)
+    assert not robust(0.5, 0.5, 0.01, 0.0)
+
+
+def test_max_epsilon_solves_the_condition():
+    lb, ub, d = np.array([0.8]), np.array([0.1]), 1e-3
+    eps = max_epsilon(lb, ub, d)[0]
+    assert robust(lb, ub, eps * 0.999, d)[0] and not robust(lb, ub, eps * 1.001, d)[0]
+
+
+def test_certified_size_zero_when_tied_and_grows_with_margin():
+    tied = certified_size(np.array([0.45]), np.array([0.46]), noise_scale=0.3, sensitivity=1.0, norm="l2")
+    assert tied[0] == 0.0
+    margins = np.linspace(0.0, 0.9, 19)
+    lb = 0.5 + margins / 2
+    ub = 0.5 - margins / 2
+    for norm in ("l2", "l1"):
+        sizes = certified_size(lb, ub, noise_scale=0.3, sensitivity=1.0, norm=norm)
+        assert sizes[0] == 0.0
+        assert np.all(np.diff(sizes) >= 0) and sizes[-1] > sizes[1] > 0
+
+
+def test_certified_size_scales_with_noise_and_sensitivity():
+    lb, ub = np.array([0.9]), np.array([0.05])
+    base = certified_size(lb, ub, noise_scale=0.2, sensitivity=1.0, norm="l2")[0]
+    assert certified_size(lb, ub, noise_scale=0.4, sensitivity=1.0, norm="l2")[0] == pytest.approx(2 * base)
+    assert certified_size(lb, ub, noise_scale=0.2, sensitivity=0.5, norm="l2")[0] == pytest.approx(2 * base)
+
+
+class LinearNoisy(nn.Module):
+    """Two-class linear classifier with Gaussian noise on its input (PixelDP, noise_after=0)."""
+
+    norm = "l2"
+
+    def __init__(self, w: torch.Tensor, b: float, sigma: float):
+        super().__init__()
+        self.noise = NoiseLayer(sigma, "l2", seed=5)
+        self.lin = nn.Linear(w.numel(), 2)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.stack([w, torch.zeros_like(w)]))
+            self.lin.bias.copy_(torch.tensor([b, 0.0]))
+
+    def pre_noise(self, x):
+        return x
+
+    def post_noise(self, h):
+        return self.lin(h)
+
+    def forward(self, x):
+        return self.post_noise(self.noise(x))
+
+    def sensitivity_exact(self):
+        return 1.0
+
+
+def test_certified_size_never_exceeds_the_true_radius_of_a_linear_classifier():
+    gen = torch.Generator().manual_seed(0)
+    d = 8
+    w = torch.randn(d, generator=gen)
+    model = LinearNoisy(w, 0.1, sigma=0.3)
+    x = torch.rand(300, d, generator=gen) * 2 - 1
+    margin = (x @ w + 0.1)
+    base_pred = (margin <= 0).long()  # class 0 when w.x + b > 0
+    radius = (margin.abs() / w.norm()).numpy()
+    res = certify(model, x, base_pred, n=1000, eta=0.95, bounds="argmax")
+    agree = res.prediction == base_pred.numpy()
+    assert agree.mean() > 0.95
+    assert (res.certified_size > 0).mean() > 0.3  # the test is not vacuous
+    assert np.all(res.certified_size[agree] <= radius[agree] + 1e-9)
+    # negative control: claiming a 10x smaller pre-noise sensitivity than the truth certifies
+    # sizes beyond the true radius, which this test catches.
+    bad = certify(model, x, base_pred, n=1000, eta=0.95, bounds="argmax", sensitivity=0.1)
+    assert np.any(bad.certified_size[agree] > radius[agree])
+
+
+def test_certified_accuracy_definition():
+    gen = torch.Generator().manual_seed(1)
+    model = LinearNoisy(torch.ones(4), 0.0, sigma=0.2)
+    x = torch.rand(50, 4, generator=gen) * 2 - 1
+    y = (x.sum(1) <= 0).long()
+    res = certify(model, x, y, n=200)
+    acc = certified_accuracy(res, [0.0, 0.05, 0.1])
+    for t, a in acc.items():
+        expect = np.mean(res.correct & (res.certified_size > 0) & (res.certified_size >= t))
+        assert a == pytest.approx(expect)
+    assert acc[0.0] >= acc[0.05] >= acc[0.1]
+
+
+def test_certify_validates_input():
+    model = LinearNoisy(torch.ones(4), 0.0, sigma=0.2)
+    x = torch.zeros(3, 4)
+    y = torch.zeros(3, dtype=torch.long)
+    with pytest.raises(ValueError, match="n must"):
+        certify(model, x, y, n=0)
+    with pytest.raises(ValueError, match="eta"):
+        certify(model, x, y, eta=1.5)
+    with pytest.raises(ValueError, match="bounds"):
+        certify(model, x, y, bounds="wald")
+    with pytest.raises(ValueError, match="y must"):
+        certify(model, x, torch.zeros(2, dtype=torch.long))
+    model.noise.ramp = 0.5
+    with pytest.raises(ValueError, match="ramp"):
+        certify(model, x, y)
+    with pytest.raises(ValueError, match="alpha"):
+        clopper_pearson(3, 10, 0.0)
