@@ -1,0 +1,40 @@
+"""Shared pieces of the benchmarks: environment description and JSON output."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    return f"cpu: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def environment(device: torch.device) -> dict:
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("torch", "torchvision", "numpy", "scipy", "opacus", "dp-accounting", "ray", "mlflow"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return {"device": device_description(device), "python": platform.python_version(),
+            "versions": versions, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_result(name: str, payload: dict, out: Path | None = None) -> Path:
+    path = out or RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+    return path
