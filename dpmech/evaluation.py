@@ -47,7 +47,7 @@ def predict(model: torch.nn.Module, x: torch.Tensor, *, n_predict: int = 1, batc
 
 def conventional_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                           attacks: dict[str, list[float]] | None = None, norm: str = "linf",
-                          n_predict: int = 1, eot_samples: int = 1, batch_size: int = 500,
+                          n_predict: int = 1, eot_samples: int = 1, steps: int = 10, batch_size: int = 500,
                           attack_kwargs: dict | None = None, seed: int = 0) -> dict[str, float]:
     """``acc_clean`` and ``acc_<attack>_<size>`` for every attack name and size in ``attacks``.
 
@@ -71,6 +71,8 @@ def conventional_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
                 xb = x[s:s + batch_size].to(device)
                 kwargs = dict(attack_kwargs or {})
                 kwargs.update(eps=float(size), norm=norm, eot_samples=eot_samples)
+                if name != "fgsm":
+                    kwargs.setdefault("steps", steps)
                 if name == "pgd":
                     kwargs.setdefault("generator", gen)
                 advs.append(attack(name, model, xb, None, **kwargs).detach().cpu())

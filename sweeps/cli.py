@@ -1,0 +1,210 @@
+"""The ``dpsweep`` command line: run, resume, validate, mechanisms, report.
+
+Exit codes: 0 success; 2 invalid input (reported before Ray starts or any MLflow run exists);
+1 trials that still failed after their retries, or a runtime failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
+
+
+def _err(msg: str) -> None:
+    print(f"dpsweep: error: {msg}", file=sys.stderr, flush=True)
+
+
+def _storage_path(cli: str | None, spec_storage: str | None) -> str:
+    s = cli or spec_storage or "./ray_results"
+    return s if "://" in s else str(Path(s).expanduser().resolve())
+
+
+def _datasets(trials: list[dict], spec) -> set[str]:
+    names = {t.get("dataset") for t in trials if t.get("dataset")}
+    if not names:
+        names = {(spec.common or {}).get("dataset", "mnist")}
+    return names
+
+
+def cmd_validate(args) -> int:
+    from sweeps.spec import SpecError, expand_trials, load_spec
+
+    try:
+        spec = load_spec(args.spec, args.set)
+        n = len(expand_trials(spec)) if spec.search.algorithm != "optuna" else spec.search.num_samples
+    except SpecError as exc:
+        _err(str(exc))
+        return EXIT_INVALID
+    print(f"{args.spec}: valid ({n} trials, trainables: {', '.join(t.name for t in spec.trainables)})")
+    return EXIT_OK
+
+
+def cmd_mechanisms(args) -> int:
+    from trainables.registry import REGISTRY
+
+    for entry in REGISTRY.values():
+        print(f"{entry.name}: {entry.description}")
+        for key, field in entry.config_model.model_fields.items():
+            default = field.get_default(call_default_factory=True)
+            print(f"    {key:<20} default {default!r:<12} {field.description or ''}")
+        print()
+    return EXIT_OK
+
+
+def cmd_run(args) -> int:
+    from sweeps.spec import SpecError, expand_trials, load_spec, ray_param_space, spec_to_flat_params
+
+    try:
+        spec = load_spec(args.spec, args.set)
+        if args.name:
+            spec = load_spec(args.spec, [*args.set, f"name={args.name}"])
+        trials = expand_trials(spec) if spec.search.algorithm != "optuna" else []
+        param_space = ray_param_space(spec)
+    except SpecError as exc:
+        _err(str(exc))
+        return EXIT_INVALID
+    from sweeps.tracking import resolve_tracking_uri
+
+    tracking_uri = resolve_tracking_uri(args.tracking_uri, spec.mlflow.tracking_uri)
+    storage = _storage_path(args.storage, spec.storage)
+    total = len(trials) if trials else spec.search.num_samples
+    print(f"sweep {spec.name}: {total} trials of {', '.join(t.name for t in spec.trainables)}; "
+          f"storage {storage}; MLflow {tracking_uri}", flush=True)
+    if args.dry_run:
+        from sweeps.runner import format_table
+
+        shown = [{k: v for k, v in t.items() if not isinstance(v, (dict, list))} for t in trials]
+        print(format_table(shown) if shown else "(trials are proposed by Optuna while the sweep runs)")
+        return EXIT_OK
+
+    from dpmech.data import load_dataset
+
+    for name in sorted(_datasets(trials, spec)):
+        print(f"preparing dataset {name} ...", flush=True)
+        try:
+            load_dataset(name, split="train")
+            load_dataset(name, split="test")
+        except Exception as exc:  # noqa: BLE001
+            _err(f"dataset {name!r} is not available: {exc}")
+            return EXIT_FAILED
+
+    from sweeps.runner import build_tuner, ray_init, save_state
+    from sweeps.tracking import start_parent_run
+
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_name = f"{spec.name}-{stamp}"
+    ray_init()
+    info = start_parent_run(tracking_uri, spec.mlflow.experiment or spec.name, run_name, spec.raw,
+                            spec_to_flat_params(spec))
+    exp_dir = f"{storage.rstrip('/')}/{run_name}"
+    if "://" not in storage:
+        save_state(Path(exp_dir), {"spec": spec.raw, "mlflow": info, "run_name": run_name, "total": total})
+    print(f"experiment {exp_dir}; MLflow parent run {info['parent_run_id']}", flush=True)
+    tuner = build_tuner(spec, storage=storage, run_name=run_name, mlflow_info=info, param_space=param_space,
+                        total=total)
+    return _fit_and_finish(tuner, info, exp_dir, tracking_uri, spec.mlflow.experiment or spec.name)
+
+
+def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, experiment: str) -> int:
+    from sweeps.runner import format_table, summarize
+    from sweeps.tracking import finish_parent_run
+
+    try:
+        results = tuner.fit()
+    except KeyboardInterrupt:
+        _err(f"interrupted; continue with: dpsweep resume {exp_dir}")
+        return EXIT_FAILED
+    rows, summary, failed = summarize(results)
+    finish_parent_run(info, summary, "FAILED" if failed else "FINISHED")
+    print()
+    print(format_table(rows))
+    print()
+    if failed:
+        print(f"{failed} trial(s) failed after their retries; logs under {exp_dir}")
+    ui = f"mlflow ui --backend-store-uri {tracking_uri}" if tracking_uri.startswith("sqlite") else tracking_uri
+    print(f"report:   dpsweep report {experiment} --tracking-uri {tracking_uri} --out report/")
+    print(f"MLflow:   {ui}")
+    print(f"resume:   dpsweep resume {exp_dir}")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def cmd_resume(args) -> int:
+    from ray import tune
+
+    from sweeps.runner import load_state, ray_init
+    from sweeps.spec import SpecError, validate_spec
+    from trainables.dispatch import dispatch
+
+    exp_dir = Path(args.experiment_path).expanduser().resolve()
+    try:
+        state = load_state(exp_dir)
+        spec = validate_spec(state["spec"])
+    except (FileNotFoundError, SpecError) as exc:
+        _err(str(exc))
+        return EXIT_INVALID
+    ray_init()
+    trainable = tune.with_resources(dispatch, {"cpu": spec.resources.cpu, "gpu": spec.resources.gpu})
+    tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, restart_errored=True)
+    info = state["mlflow"]
+    print(f"resuming {exp_dir}; MLflow parent run {info['parent_run_id']}", flush=True)
+    return _fit_and_finish(tuner, info, str(exp_dir), info["tracking_uri"], spec.mlflow.experiment or spec.name)
+
+
+def cmd_report(args) -> int:
+    from sweeps.report import make_report
+    from sweeps.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(args.tracking_uri, None)
+    try:
+        out = make_report(args.experiment, uri, Path(args.out))
+    except ValueError as exc:
+        _err(str(exc))
+        return EXIT_INVALID
+    print(f"report written to {out}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dpsweep", description="Sweeps of DP and certifiably robust training.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a sweep spec")
+    run.add_argument("spec")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value (repeatable)")
+    run.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    run.add_argument("--storage", default=None, help="Ray storage path (local dir, NFS mount or s3://)")
+    run.add_argument("--name", default=None, help="experiment name (default: the spec's)")
+    run.add_argument("--dry-run", action="store_true", help="validate and list the trials, run nothing")
+    run.set_defaults(fn=cmd_run)
+
+    res = sub.add_parser("resume", help="finish an interrupted sweep")
+    res.add_argument("experiment_path")
+    res.set_defaults(fn=cmd_resume)
+
+    val = sub.add_parser("validate", help="check a spec")
+    val.add_argument("spec")
+    val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    val.set_defaults(fn=cmd_validate)
+
+    mech = sub.add_parser("mechanisms", help="list trainables with their parameters")
+    mech.set_defaults(fn=cmd_mechanisms)
+
+    rep = sub.add_parser("report", help="tables and plots of a sweep from MLflow")
+    rep.add_argument("experiment", help="MLflow experiment name")
+    rep.add_argument("--tracking-uri", default=None)
+    rep.add_argument("--out", default="report")
+    rep.set_defaults(fn=cmd_report)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""End to end through Ray Tune and MLflow: the CLI, a crash-and-retry, and `dpsweep resume`.
+
+Each test runs tiny PixelDP trials on a small real-MNIST subset against a temporary SQLite
+store; Ray runs locally (one instance per test module).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY = {
+    "dataset": "mnist", "train_size": 256, "test_size": 64, "epochs": 2, "batch_size": 64,
+    "certify_images": 16, "certify_n": 40, "attacks": {"pgd": [0.1]}, "attack_steps": 2,
+    "certify_sizes": [0.05, 0.1],
+}
+
+
+def _spec(tmp_path: Path, name: str, epsilons, **extra) -> Path:
+    spec = {
+        "name": name,
+        "storage": str(tmp_path / "ray_results"),
+        "mlflow": {"experiment": name},
+        "common": dict(TINY),
+        "trainables": [{"name": "pixeldp", "search": {"epsilon": list(epsilons)}}],
+        "resources": {"cpu": 1},
+        "max_concurrent_trials": 2,
+        "failure": {"max_retries": 1},
+        **extra,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def _runs(uri: str, experiment: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parents = [r for r in runs if r.data.tags.get("dpsweep.kind") == "sweep"]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return client, parents, children
+
+
+def test_cli_sweep_logs_parent_and_children(tmp_path, ray_local, monkeypatch):
+    import pyarrow.parquet as pq
+    import torch
+
+    from sweeps.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spec = _spec(tmp_path, "e2e", [0.5, 1.0])
+    assert main(["run", str(spec), "--tracking-uri", uri]) == 0
+
+    client, parents, children = _runs(uri, "e2e")
+    assert len(parents) == 1 and len(children) == 2
+    parent = parents[0]
+    assert parent.data.tags["dpsweep.git_commit"]
+    assert "spec.yaml" in [a.path for a in client.list_artifacts(parent.info.run_id)]
+    assert parent.data.metrics["trials"] == 2
+    for run in children:
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        m = run.data.metrics
+        for key in ("acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "cert_acc_0.1", "epsilon", "delta",
+                    "train_loss", "test_acc"):
+            assert key in m, key
+        assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 2
+        assert run.data.params["epsilon"] in ("0.5", "1.0")
+        assert run.data.params["train_size"] == "256"
+        local = Path(client.download_artifacts(run.info.run_id, "", str(tmp_path / run.info.run_id)))
+        table = pq.read_table(local / "certification" / "certification.parquet")
+        assert table.num_rows == 16
+        assert {"index", "label", "prediction", "lower_bound", "upper_bound", "certified_size"} <= set(table.column_names)
+        assert (local / "certification" / "cert_acc.png").stat().st_size > 1000
+        weights = torch.load(local / "model" / "weights.pt", weights_only=True)
+        assert "first.weight" in weights
+
+    from sweeps.report import make_report
+
+    report = make_report("e2e", uri, tmp_path / "report")
+    assert (tmp_path / "report" / "cert_acc_vs_size.png").exists()
+    assert "not covered by any privacy guarantee" in report.read_text()
+
+
+def test_crash_mid_training_resumes_into_the_same_run(tmp_path, ray_local):
+    """A trial that raises after its first epoch's checkpoint on its first attempt is retried,
+    resumes from that checkpoint, logs into the same MLflow run and ends exactly like an
+    uninterrupted run with the same seed."""
+    from ray import tune
+
+    from sweeps.tracking import start_parent_run
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    marker = tmp_path / "crashed-once"
+
+    def flaky(config):
+        import ray.tune as rt
+
+        from trainables.pixeldp import pixeldp
+
+        config = dict(config)
+        crash = config.pop("crash")
+        original = rt.report
+        calls = [0]
+
+        def report(metrics, checkpoint=None):
+            original(metrics, checkpoint=checkpoint)
+            calls[0] += 1
+            if crash and calls[0] == 1 and not os.path.exists(str(marker)):
+                open(str(marker), "w").close()
+                raise RuntimeError("injected crash after the first checkpoint")
+
+        rt.report = report
+        try:
+            return pixeldp(config)
+        finally:
+            rt.report = original
+
+    info = start_parent_run(uri, "crash", "crash", {"name": "crash"}, {})
+    space = {**TINY, "epochs": 3, "seed": 7, "_mlflow": info, "crash": tune.grid_search([True, False])}
+    tuner = tune.Tuner(
+        tune.with_resources(flaky, {"cpu": 1}), param_space=space,
+        run_config=tune.RunConfig(storage_path=str(tmp_path / "ray"), name="crash",
+                                  failure_config=tune.FailureConfig(max_failures=1)),
+    )
+    results = tuner.fit()
+    assert marker.exists()
+    assert not results.errors
+    final = {r.config["crash"]: r.metrics for r in results}
+    for key in ("epsilon", "acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "test_acc"):
+        assert final[True][key] == pytest.approx(final[False][key], abs=1e-9), key
+
+    client, _, children = _runs(uri, "crash")
+    assert len(children) == 2  # the crashed trial did not open a second run
+    for run in children:
+        hist = client.get_metric_history(run.info.run_id, "train_loss")
+        assert sorted(h.step for h in hist) == [1, 2, 3]
+        assert run.info.status == "FINISHED"
+
+
+def test_interrupted_sweep_finished_by_resume(tmp_path):
+    """SIGINT the driver after the first checkpoint; `dpsweep resume` finishes every trial
+    without running any twice to completion or duplicating an MLflow run."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spec = _spec(tmp_path, "interrupt", [0.5, 1.0, 2.0], max_concurrent_trials=1)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "sweeps.cli", "run", str(spec), "--tracking-uri", uri],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    storage = tmp_path / "ray_results"
+    while time.time() < deadline:
+        if list(storage.glob("*/*/checkpoint_*")):
+            break
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("no checkpoint appeared: " + (proc.stdout.read() if proc.stdout else ""))
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    exp_dirs = [p for p in storage.iterdir() if p.is_dir()]
+    assert len(exp_dirs) == 1
+    done = subprocess.run([sys.executable, "-m", "sweeps.cli", "resume", str(exp_dirs[0])], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    _, parents, children = _runs(uri, "interrupt")
+    assert len(parents) == 1
+    assert len(children) == 3
+    assert all(r.info.status == "FINISHED" for r in children)
+    assert all("cert_acc_0.1" in r.data.metrics for r in children)

@@ -1,0 +1,76 @@
+"""Trial configuration schemas (pydantic): what every trainable accepts, with defaults and
+meanings. A user sets only what they vary; anything else takes the documented default.
+
+``CommonConfig`` holds the keys every mechanism shares (data, seed, evaluation); each
+mechanism's schema extends it. Unknown keys are refused, every value is checked before any
+work, and errors name the key.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ATTACK_NAMES = ("fgsm", "ifgsm", "mim", "pgd")
+
+
+class CommonConfig(BaseModel):
+    """Data, seed and evaluation keys shared by every trainable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    dataset: Literal["mnist", "fashion_mnist", "cifar10"] = Field("mnist", description="dataset, inputs scaled to [-1, 1]")
+    train_size: int | None = Field(None, gt=0, description="training images (deterministic subset; null = all)")
+    test_size: int | None = Field(1000, gt=0, description="test images used for evaluation (null = all)")
+    data_seed: int = Field(0, ge=0, description="seed of the data subsets")
+    seed: int = Field(0, ge=0, description="seed of initialisation, shuffling and noise; a trial is reproducible from its config")
+    attacks: dict[str, list[float]] = Field(
+        default_factory=dict, description="attack name -> sizes in the [-1, 1] domain, e.g. {pgd: [0.1, 0.2]}")
+    attack_norm: Literal["linf", "l2"] = Field("l2", description="norm of the attack ball")
+    attack_steps: int = Field(10, gt=0, description="iterations of ifgsm, mim and pgd")
+    eot_samples: int = Field(1, gt=0, description="noise draws averaged per attack gradient (randomized models)")
+    n_predict: int = Field(1, gt=0, description="noise draws averaged per prediction in accuracy metrics")
+    certify_n: int = Field(1000, gt=0, description="Monte Carlo noise draws per certified image")
+    certify_eta: float = Field(0.95, gt=0, lt=1, description="confidence level of the certification bounds")
+    certify_bounds: Literal["argmax", "hoeffding", "bernstein"] = Field("argmax", description="confidence bound used by the certifier")
+    certify_images: int = Field(500, ge=0, description="test images certified (0 = skip certification)")
+    certify_sizes: list[float] = Field(
+        default_factory=lambda: [0.05, 0.1, 0.2, 0.3, 0.5, 1.0], description="attack sizes reported as cert_acc_<size>")
+
+    @field_validator("attacks")
+    @classmethod
+    def _attacks(cls, value: dict[str, list[float]]):
+        for name, sizes in value.items():
+            if name not in ATTACK_NAMES:
+                raise ValueError(f"unknown attack {name!r}; known: {', '.join(ATTACK_NAMES)}")
+            if not sizes:
+                raise ValueError(f"attack {name!r} needs at least one size")
+            for s in sizes:
+                if not s >= 0 or s != s or s == float("inf"):
+                    raise ValueError(f"attack sizes must be finite and >= 0, got {s}")
+        return value
+
+    @field_validator("certify_sizes")
+    @classmethod
+    def _sizes(cls, value: list[float]):
+        for s in value:
+            if not (0 <= s < float("inf")):
+                raise ValueError(f"certify sizes must be finite and >= 0, got {s}")
+        return value
+
+
+class PixelDPTrialConfig(CommonConfig):
+    """PixelDP (Lecuyer et al. 2018): a noise layer calibrated to (epsilon, delta, L)."""
+
+    epsilon: float = Field(1.0, gt=0, allow_inf_nan=False, description="PixelDP epsilon of the noise layer")
+    delta: float = Field(0.05, gt=0, lt=1, description="PixelDP delta (l2 / Gaussian only)")
+    attack_bound: float = Field(0.1, gt=0, allow_inf_nan=False, description="construction attack bound L ([-1, 1] domain)")
+    norm: Literal["l2", "l1"] = Field("l2", description="l2: Gaussian noise; l1: Laplace noise")
+    noise_after: Literal[0, 1] = Field(1, description="0: noise on the input; 1: after the first convolution")
+    epochs: int = Field(5, gt=0, description="training epochs")
+    batch_size: int = Field(128, gt=0, description="minibatch size")
+    lr: float = Field(1e-3, gt=0, allow_inf_nan=False, description="learning rate")
+    optimizer: Literal["adam", "sgd"] = Field("adam", description="optimizer")
+    weight_decay: float = Field(0.0, ge=0, description="L2 weight decay")
+    noise_ramp_epochs: float = Field(0.0, ge=0, description="linear ramp of the noise from 0 to full over this many epochs")

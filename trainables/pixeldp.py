@@ -1,0 +1,63 @@
+"""The ``pixeldp`` trainable: PixelDP training and certification under Ray Tune.
+
+Use it in your own study::
+
+    from ray import tune
+    from trainables.pixeldp import pixeldp
+    tune.Tuner(pixeldp, param_space={"epsilon": tune.grid_search([0.5, 1.0]), "epochs": 2}).fit()
+
+Every key and its default: ``trainables.config.PixelDPTrialConfig`` (``dpsweep mechanisms``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dpmech.certify import certify
+from dpmech.pixeldp import PixelDPConfig, PixelDPTrainer
+from trainables.config import PixelDPTrialConfig
+from trainables.runtime import run_trial
+
+_TRAINER_KEYS = ("dataset", "epsilon", "delta", "attack_bound", "norm", "noise_after", "epochs",
+                 "batch_size", "lr", "optimizer", "weight_decay", "noise_ramp_epochs", "seed")
+
+
+class PixelDPMechanism:
+    """Adapter from the trial config to ``dpmech.pixeldp.PixelDPTrainer``."""
+
+    def __init__(self, cfg: PixelDPTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
+        self.trainer = PixelDPTrainer(PixelDPConfig(**{k: getattr(cfg, k) for k in _TRAINER_KEYS}), x, y,
+                                      device=device)
+
+    @property
+    def model(self):
+        return self.trainer.model
+
+    @property
+    def epoch(self) -> int:
+        return self.trainer.epoch
+
+    def train_epoch(self):
+        return self.trainer.train_epoch()
+
+    def test_accuracy(self, x, y):
+        return self.trainer.accuracy(x, y)
+
+    def state_dict(self):
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state):
+        self.trainer.load_state_dict(state)
+
+    def privacy(self):
+        g = self.trainer.guarantee()
+        return {"epsilon": g["epsilon"], "delta": g["delta"], "noise_scale": g["noise_scale"],
+                "sensitivity": g["sensitivity"]}
+
+    def certify(self, x, y, cfg):
+        return certify(self.model, x, y, n=cfg.certify_n, eta=cfg.certify_eta, bounds=cfg.certify_bounds)
+
+
+def pixeldp(config: dict) -> dict:
+    """Ray Tune function trainable for PixelDP (flat config; see the module docstring)."""
+    return run_trial(config, PixelDPTrialConfig, PixelDPMechanism, "pixeldp")

@@ -1,0 +1,46 @@
+"""Registry of trainables by name: the function Ray Tune runs, its config schema, a summary.
+
+A new mechanism is one module in dpmech, one trainable, one entry here, one example spec.
+The functions are imported lazily so that validating a spec does not import torch models.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from trainables.config import CommonConfig, PixelDPTrialConfig
+
+
+@dataclass(frozen=True)
+class TrainableEntry:
+    name: str
+    target: str                    # "module:function" of the Ray Tune function trainable
+    config_model: type[CommonConfig]
+    description: str
+
+    @property
+    def fn(self) -> Callable[[dict], None]:
+        module, func = self.target.split(":")
+        return getattr(importlib.import_module(module), func)
+
+
+REGISTRY: dict[str, TrainableEntry] = {
+    "pixeldp": TrainableEntry(
+        "pixeldp", "trainables.pixeldp:pixeldp", PixelDPTrialConfig,
+        "PixelDP (Lecuyer et al. 2018): noise layer after a sensitivity-bounded first layer; "
+        "certified with the PixelDP robustness test."),
+}
+
+
+def did_you_mean(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def get_trainable(name: str) -> TrainableEntry:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown trainable {name!r}{did_you_mean(name, REGISTRY)}; known: {', '.join(REGISTRY)}")
+    return REGISTRY[name]

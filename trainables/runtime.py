@@ -1,0 +1,158 @@
+"""The life of one trial, shared by every mechanism's trainable.
+
+``run_trial(config, schema, mechanism_cls)``:
+
+1. validate the flat config with the mechanism's pydantic schema (an invalid key fails the trial
+   at once, naming the key);
+2. restore from ``ray.tune.get_checkpoint()`` if Ray hands one over (a retried or restored
+   trial continues; it never starts over), otherwise build fresh;
+3. open the trial's MLflow child run (the same run on every attempt: trainables.tracking);
+4. train epoch by epoch, reporting ``train_loss``/``test_acc`` with ``ray.tune.report`` and a
+   checkpoint of everything needed to continue (model, optimizer, RNG states, privacy ledger,
+   MLflow run id) after every epoch;
+5. evaluate: each attack at each size, then certification; report and log the final metrics
+   (names in docs/metrics.md) and the artifacts (weights, per-example Parquet table, plot).
+
+A mechanism is a small class (see ``Mechanism``) around a dpmech trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from pydantic import ValidationError
+
+from trainables.config import CommonConfig
+
+HIDDEN_KEYS = ("_mlflow", "trainable")
+
+
+class Mechanism(Protocol):
+    """What ``run_trial`` needs from a mechanism's trainer adapter."""
+
+    epoch: int
+    model: torch.nn.Module
+
+    def train_epoch(self) -> dict[str, float]: ...
+    def test_accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+    def privacy(self) -> dict[str, float]: ...
+    def certify(self, x: torch.Tensor, y: torch.Tensor, cfg: CommonConfig): ...
+
+
+def validate_config(config: dict, schema: type[CommonConfig]) -> CommonConfig:
+    """Validate a flat trial config; one-line ValueError naming the key on failure."""
+    from trainables.dispatch import trial_config
+
+    config = trial_config(config)
+    clean = {k: v for k, v in config.items() if k not in HIDDEN_KEYS}
+    try:
+        return schema(**clean)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "config"
+        raise ValueError(f"config.{key}: {err['msg']}") from None
+
+
+def mlflow_info(config: dict) -> dict | None:
+    from trainables.dispatch import trial_config
+
+    return trial_config(config).get("_mlflow")
+
+
+def _device() -> torch.device:
+    # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigned to this trial (none: empty).
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _save_checkpoint(directory: Path, mech: Mechanism, meta: dict) -> None:
+    torch.save(mech.state_dict(), directory / "state.pt")
+    (directory / "meta.json").write_text(json.dumps(meta))
+
+
+def _load_checkpoint(directory: Path, device: torch.device) -> tuple[dict, dict]:
+    state = torch.load(directory / "state.pt", map_location=device, weights_only=True)
+    meta = json.loads((directory / "meta.json").read_text())
+    return state, meta
+
+
+def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable: str) -> dict[str, float]:
+    """Run one trial under Ray Tune (see the module docstring). Returns the final metrics."""
+    from ray import tune
+
+    from dpmech.data import load_splits
+    from trainables.artifacts import log_final_artifacts
+    from trainables.tracking import TrialTracker
+
+    cfg = validate_config(config, schema)
+    device = _device()
+    train, test = load_splits(cfg.dataset, train_size=cfg.train_size, test_size=cfg.test_size, seed=cfg.data_seed)
+    x, y = (t.to(device) for t in train.tensors)
+    xt, yt = (t.to(device) for t in test.tensors)
+    mech = mechanism_cls(cfg, x, y, device)
+
+    meta: dict[str, Any] = {"mlflow_run_id": None, "history": []}
+    ckpt = tune.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state, meta = _load_checkpoint(Path(d), device)
+        mech.load_state_dict(state)
+
+    ctx = tune.get_context()
+    tracker = None
+    info = mlflow_info(config)
+    if info:
+        tracker = TrialTracker.open(info, trial_id=ctx.get_trial_id(), trial_name=ctx.get_trial_name(),
+                                    trainable=trainable, run_id=meta.get("mlflow_run_id"))
+        meta["mlflow_run_id"] = tracker.run_id
+        tracker.log_params({"trainable": trainable, **cfg.model_dump()})
+    try:
+        while mech.epoch < cfg.epochs:
+            metrics = mech.train_epoch()
+            metrics["test_acc"] = mech.test_accuracy(xt, yt)
+            epoch = mech.epoch
+            meta["history"].append({"epoch": epoch, **metrics})
+            if tracker:
+                tracker.log_metrics({"train_loss": metrics["train_loss"], "test_acc": metrics["test_acc"]}, step=epoch)
+            with tempfile.TemporaryDirectory() as tmp:
+                _save_checkpoint(Path(tmp), mech, meta)
+                tune.report({**metrics, "epoch": epoch}, checkpoint=tune.Checkpoint.from_directory(tmp))
+
+        final = evaluate(mech, cfg, xt, yt)
+        if tracker:
+            tracker.log_metrics(final["metrics"], step=cfg.epochs)
+            log_final_artifacts(tracker, mech, final, cfg)
+            tracker.finish()
+        tune.report({**final["metrics"], "epoch": cfg.epochs, "done": 1.0})
+        return final["metrics"]
+    except BaseException:
+        if tracker:
+            try:
+                tracker.finish("FAILED")
+            except Exception:  # noqa: BLE001 - keep the original error
+                pass
+        raise
+
+
+def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Tensor) -> dict:
+    """Conventional accuracy (clean and each attack at each size), then certification."""
+    from dpmech.evaluation import certified_accuracy_curve, conventional_accuracy
+
+    metrics = conventional_accuracy(
+        mech.model, xt, yt, attacks=cfg.attacks, norm=cfg.attack_norm, n_predict=cfg.n_predict,
+        eot_samples=cfg.eot_samples, steps=cfg.attack_steps, seed=cfg.seed)
+    result = None
+    if cfg.certify_images > 0:
+        k = min(cfg.certify_images, xt.shape[0])
+        result = mech.certify(xt[:k], yt[:k], cfg)
+        if result is not None:
+            metrics.update(certified_accuracy_curve(result, cfg.certify_sizes))
+            metrics["acc_clean_expected"] = result.accuracy()
+    metrics.update(mech.privacy())
+    return {"metrics": metrics, "certification": result}
+

@@ -1,0 +1,108 @@
+"""MLflow logging for trials: one child run per trial under the sweep's parent run.
+
+All calls go through ``MlflowClient`` with an explicit tracking URI (no global MLflow state, so
+trials in one worker process cannot leak runs into each other) and are retried with backoff:
+a tracking server that is briefly away delays logging but loses nothing; one that stays away
+fails the trial loudly.
+
+A trial finds its child run in this order: the run id stored in its checkpoint; an existing run
+tagged with its Ray trial id under the same parent (a retry that crashed before its first
+checkpoint); otherwise it creates one. A retried or restored trial therefore never opens a
+second run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TAG_TRIAL = "dpsweep.trial_id"
+TAG_TRAINABLE = "dpsweep.trainable"
+TAG_PARENT = "mlflow.parentRunId"
+
+
+def retry(fn: Callable[[], T], *, what: str, attempts: int = 8, first_wait: float = 0.5) -> T:
+    """Call ``fn`` until it succeeds, waiting 0.5, 1, 2, ... s (about 2 minutes in all)."""
+    wait = first_wait
+    for i in range(attempts):
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - MLflow raises many kinds on a lost connection
+            if i == attempts - 1:
+                raise RuntimeError(f"MLflow {what} failed after {attempts} attempts: {exc}") from exc
+            log.warning("MLflow %s failed (%s); retrying in %.1fs", what, exc, wait)
+            time.sleep(wait)
+            wait = min(wait * 2, 30.0)
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class TrialTracker:
+    """The child run of one trial."""
+
+    tracking_uri: str
+    experiment_id: str
+    parent_run_id: str | None
+    run_id: str
+
+    @property
+    def client(self):
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(self.tracking_uri)
+
+    @classmethod
+    def open(cls, info: dict, *, trial_id: str, trial_name: str, trainable: str,
+             run_id: str | None = None) -> "TrialTracker":
+        """Find or create the trial's child run (see the module docstring)."""
+        from mlflow.tracking import MlflowClient
+
+        uri, exp, parent = info["tracking_uri"], str(info["experiment_id"]), info.get("parent_run_id")
+        client = MlflowClient(uri)
+        if run_id is None:
+            flt = f"tags.`{TAG_TRIAL}` = '{trial_id}'"
+            if parent:
+                flt += f" and tags.`{TAG_PARENT}` = '{parent}'"
+            found = retry(lambda: client.search_runs([exp], filter_string=flt, max_results=1), what="search_runs")
+            if found:
+                run_id = found[0].info.run_id
+        if run_id is None:
+            tags = {TAG_TRIAL: trial_id, TAG_TRAINABLE: trainable, "mlflow.runName": trial_name}
+            if parent:
+                tags[TAG_PARENT] = parent
+            run = retry(lambda: client.create_run(exp, tags=tags, run_name=trial_name), what="create_run")
+            run_id = run.info.run_id
+        else:
+            retry(lambda: client.update_run(run_id, status="RUNNING"), what="update_run")
+        return cls(uri, exp, parent, run_id)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        flat = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
+        existing = retry(lambda: self.client.get_run(self.run_id), what="get_run").data.params
+        todo = [p for p in flat if p.key not in existing]
+        for i in range(0, len(todo), 100):
+            batch = todo[i:i + 100]
+            retry(lambda: self.client.log_batch(self.run_id, params=batch), what="log_batch(params)")
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        batch = [Metric(k, float(v), ts, int(step)) for k, v in metrics.items()]
+        retry(lambda: self.client.log_batch(self.run_id, metrics=batch), what="log_batch(metrics)")
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        retry(lambda: self.client.log_artifact(self.run_id, path, artifact_path), what="log_artifact")
+
+    def set_tag(self, key: str, value: str) -> None:
+        retry(lambda: self.client.set_tag(self.run_id, key, value), what="set_tag")
+
+    def finish(self, status: str = "FINISHED") -> None:
+        retry(lambda: self.client.set_terminated(self.run_id, status=status), what="set_terminated")
