@@ -54,10 +54,24 @@ class MonteCarloEstimate:
         return np.clip(var, 0.0, None)
 
 
-def _pre_post(model):
-    if all(hasattr(model, a) for a in ("pre_noise", "noise", "post_noise")):
-        return model.pre_noise, lambda h: model.post_noise(model.noise(h))
-    return (lambda x: x), model
+def _noisy_draws(model):
+    """(pre, draw): ``pre`` is computed once per image, ``draw(h, k)`` returns the logits of k
+    noise draws for every row of h, as a [b * k, K] tensor (rows grouped by image)."""
+    noise = getattr(model, "noise", None)
+    if all(hasattr(model, a) for a in ("pre_noise", "post_noise")) and hasattr(noise, "sample_shape"):
+        def draw(h, k):
+            b = h.shape[0]
+            # draw the noise straight into the [b, k, ...] layout and add g(x) in place: no copy of
+            # the repeated pre-noise activations is ever made.
+            z = noise.sample_shape((b, k, *h.shape[1:]), h.dtype, h.device)
+            z.add_(h.unsqueeze(1))
+            return model.post_noise(z.view(b * k, *h.shape[1:]))
+        return model.pre_noise, draw
+
+    def draw_generic(x, k):
+        b = x.shape[0]
+        return model(x.unsqueeze(1).expand(b, k, *x.shape[1:]).reshape(b * k, *x.shape[1:]))
+    return (lambda x: x), draw_generic
 
 
 @torch.no_grad()
@@ -74,7 +88,7 @@ def monte_carlo(model: torch.nn.Module, x: torch.Tensor, n: int, *, batch_size: 
     batch_size = v.positive_int("batch_size", batch_size)
     if x.dim() < 2 or x.shape[0] == 0:
         raise ValueError(f"x must be a non-empty batch [N, ...], got shape {tuple(x.shape)}")
-    pre, post = _pre_post(model)
+    pre, draw = _noisy_draws(model)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -92,8 +106,7 @@ def monte_carlo(model: torch.nn.Module, x: torch.Tensor, n: int, *, batch_size: 
             done = 0
             while done < n:
                 k = min(draws_per_pass, n - done)
-                hh = h.unsqueeze(1).expand(b, k, *h.shape[1:]).reshape(b * k, *h.shape[1:])
-                logits = post(hh).float()
+                logits = draw(h, k).float()
                 probs = torch.softmax(logits, dim=1).reshape(b, k, -1)
                 top = logits.argmax(dim=1).reshape(b, k)
                 K = probs.shape[2]

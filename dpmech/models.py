@@ -76,7 +76,7 @@ class PixelDPCNN(PixelDPNet):
         h2, w2 = (h + 1) // 2, (w + 1) // 2
         h4, w4 = (h2 + 1) // 2, (w2 + 1) // 2
         self.body = nn.Sequential(
-            nn.ReLU(),
+            nn.ReLU(inplace=True),  # its input is always a fresh tensor (noise + g(x), or conv output)
             nn.Conv2d(32, 64, 5, stride=2, padding=2),
             nn.ReLU(),
             nn.Flatten(),

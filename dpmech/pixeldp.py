@@ -189,7 +189,7 @@ class PixelDPTrainer:
         """A snapshot (deep copy) of everything needed to continue training bit for bit."""
         noise_gen = None
         if self.model.has_noise:
-            noise_gen = self.model.noise.generator(self.device).get_state()
+            noise_gen = self.model.noise.get_rng_state(self.device)
         return copy.deepcopy({
             "config": self.config.to_dict(),
             "model": self.model.state_dict(),
@@ -207,7 +207,7 @@ class PixelDPTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
         if state["noise_gen"] is not None:
-            self.model.noise.generator(self.device).set_state(state["noise_gen"])
+            self.model.noise.set_rng_state(self.device, state["noise_gen"])
         self.epoch = int(state["epoch"])
         self.steps = int(state["steps"])
         self._set_ramp(self.epoch)
