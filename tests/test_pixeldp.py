@@ -140,3 +140,18 @@ def test_config_rejects_bad_values(field, value, match):
 def test_trainer_rejects_wrong_image_shape():
     with pytest.raises(ValueError, match="x_train"):
         PixelDPTrainer(PixelDPConfig(), torch.zeros(4, 3, 32, 32), torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.slow
+def test_pixeldp_reaches_90_percent_on_a_real_mnist_subset():
+    from dpmech.certify import certify
+    from dpmech.data import load_splits
+
+    train, test = load_splits("mnist", train_size=5000, test_size=1000, seed=0)
+    tr = PixelDPTrainer(PixelDPConfig(epochs=4, batch_size=64, lr=1e-3, seed=0), *train.tensors)
+    for _ in range(4):
+        tr.train_epoch()
+    assert tr.accuracy(*test.tensors) >= 0.90
+    res = certify(tr.model, *(t[:200] for t in test.tensors), n=100)
+    assert res.accuracy() >= 0.90
+    assert (res.certified_size > 0).mean() > 0.5
