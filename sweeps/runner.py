@@ -23,15 +23,15 @@ STATE_FILE = "dpsweep.json"
 class ProgressPrinter(tune.Callback):
     """One line per epoch result and per finished or failed trial."""
 
-    def __init__(self, total: int | None = None, stream=sys.stdout):
+    def __init__(self, total: int | None = None):
         self.total = total
         self.done = 0
         self.failed = 0
-        self.stream = stream
         self.t0 = time.time()
 
     def _say(self, msg: str) -> None:
-        print(f"[{time.time() - self.t0:6.0f}s] {msg}", file=self.stream, flush=True)
+        # sys.stdout is looked up on each call: the callback is pickled with the experiment state
+        print(f"[{time.time() - self.t0:6.0f}s] {msg}", file=sys.stdout, flush=True)
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self._say(f"started  {trial.trial_id} ({_describe(trial.config)})")
