@@ -150,7 +150,7 @@ def test_crash_mid_training_resumes_into_the_same_run(tmp_path, ray_local):
     assert marker.exists()
     assert not results.errors
     final = {r.config["crash"]: r.metrics for r in results}
-    for key in ("epsilon", "acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "test_acc"):
+    for key in ("epsilon", "acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "acc_clean_expected"):
         assert final[True][key] == pytest.approx(final[False][key], abs=1e-9), key
 
     client, _, children = _runs(uri, "crash")

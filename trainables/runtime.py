@@ -111,6 +111,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
                                     trainable=trainable, run_id=meta.get("mlflow_run_id"))
         meta["mlflow_run_id"] = tracker.run_id
         tracker.log_params({"trainable": trainable, **cfg.model_dump()})
+    finished = False
     try:
         while mech.epoch < cfg.epochs:
             metrics = mech.train_epoch()
@@ -128,10 +129,11 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
             tracker.log_metrics(final["metrics"], step=cfg.epochs)
             log_final_artifacts(tracker, mech, final, cfg)
             tracker.finish()
+            finished = True
         tune.report({**final["metrics"], "epoch": cfg.epochs, "done": 1.0})
         return final["metrics"]
-    except BaseException:
-        if tracker:
+    except Exception:  # Ray stops trials with BaseExceptions of its own: those are not failures
+        if tracker and not finished:
             try:
                 tracker.finish("FAILED")
             except Exception:  # noqa: BLE001 - keep the original error
