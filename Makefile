@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python benchmarks/pixeldp_mnist.py --demo
+	$(BIN)/dpsweep run sweeps/quickstart.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
