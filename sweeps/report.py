@@ -91,10 +91,13 @@ def _plot_accuracy_vs_epsilon(children, path: Path) -> bool:
     if not series:
         return False
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
+    markers = "osD^v<>PX*"
+    mechs = sorted({m for m, _ in series})
+    metrics = sorted({k for _, k in series}, key=lambda k: (k != "acc_clean", k))
     for (mech, metric), pts in sorted(series.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls="-" if metric == "acc_clean" else "--",
-                label=f"{mech}: {metric}")
+        # points, not lines: trials at one epsilon can differ in every other parameter
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=markers[mechs.index(mech) % len(markers)],
+                   color=plt.cm.tab10(metrics.index(metric) % 10), label=f"{mech}: {metric}", alpha=0.85)
     ax.set_xscale("log")
     ax.set_xlabel("epsilon (reported by the trial)")
     ax.set_ylabel("accuracy")
@@ -114,17 +117,18 @@ def _plot_cert_curves(children, path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     mechs = sorted({r.data.tags.get(TAG_TRAINABLE, "?") for r in children})
-    colours = {m: plt.cm.tab10(i % 10) for i, m in enumerate(mechs)}
+    styles = {m: ("-", "--", ":", "-.")[i % 4] for i, m in enumerate(mechs)}
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
     drawn = False
-    for run in children:
+    for i, run in enumerate(children):
         pts = sorted((float(mt.group(1)), val) for k, val in run.data.metrics.items() if (mt := _CERT.match(k)))
         if not pts:
             continue
         mech = run.data.tags.get(TAG_TRAINABLE, "?")
         p = run.data.params
         label = f"{mech} " + " ".join(f"{k}={p[k]}" for k in ("epsilon", "attack_bound", "psi") if k in p)
-        ax.plot([q[0] for q in pts], [q[1] for q in pts], marker=".", color=colours[mech], label=label, alpha=0.85)
+        ax.plot([q[0] for q in pts], [q[1] for q in pts], marker=".", ls=styles[mech], color=plt.cm.tab10(i % 10),
+                label=label, alpha=0.85)
         drawn = True
     if not drawn:
         plt.close(fig)
@@ -160,9 +164,9 @@ def make_report(experiment: str, tracking_uri: str, out: Path) -> Path:
              f"Parent run `{parent.info.run_id}` ({parent.info.run_name}), {len(rows)} trials, tracking URI "
              f"`{tracking_uri}`.", ""]
     if eps:
-        lines += [f"Per-trial epsilon ranges from {min(eps):.4g} to {max(eps):.4g}. Choosing the best of these "
-                  "trials on the same private data is itself a use of that data: the selection among trials is "
-                  "not covered by any privacy guarantee reported here.", ""]
+        lines += [f"Per-trial epsilon ranges from {min(eps):.4g} to {max(eps):.4g}. Where epsilon protects the "
+                  "training data, choosing the best of these trials on the same private data is itself a use of "
+                  "that data: the selection among trials is not covered by any privacy guarantee reported here.", ""]
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
     for title, fname in figures:

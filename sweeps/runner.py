@@ -37,7 +37,7 @@ class ProgressPrinter(tune.Callback):
         self._say(f"started  {trial.trial_id} ({_describe(trial.config)})")
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
-        if "train_loss" in result and "done" not in result:
+        if "train_loss" in result and "evaluated" not in result:
             self._say(f"progress {trial.trial_id} epoch {result.get('epoch')}: "
                       f"train_loss {result['train_loss']:.4f}, test_acc {result.get('test_acc', float('nan')):.4f}")
 
@@ -96,7 +96,7 @@ def build_tuner(spec, *, storage: str, run_name: str, mlflow_info: dict, param_s
         scheduler=trial_scheduler(spec),
         num_samples=spec.search.num_samples if spec.search.algorithm == "optuna" else 1,
         max_concurrent_trials=spec.max_concurrent_trials,
-        reuse_actors=False,
+        reuse_actors=True,  # function trainables: keeps imports warm between trials
     )
     run_config = tune.RunConfig(
         name=run_name,
@@ -138,7 +138,7 @@ def summarize(result_grid) -> tuple[list[dict], dict[str, float], int]:
         for k, val in m.items():
             if k.startswith(("acc_", "cert_acc_")) or k in ("epsilon", "delta"):
                 row[k] = val
-        row["status"] = "ERROR" if r.error else ("DONE" if m.get("done") else "INCOMPLETE")
+        row["status"] = "ERROR" if r.error else ("DONE" if m.get("evaluated") else "INCOMPLETE")
         failed += int(r.error is not None)
         rows.append(row)
     eps = [row["epsilon"] for row in rows if isinstance(row.get("epsilon"), (int, float)) and math.isfinite(row["epsilon"])]
@@ -173,5 +173,7 @@ def ray_init() -> None:
 
     if not ray.is_initialized():
         os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+        # keeping two checkpoints per trial forces frequent experiment snapshots; that is expected
+        os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
                  log_to_driver=False, configure_logging=True, logging_level="WARNING")

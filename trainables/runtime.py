@@ -130,7 +130,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
             log_final_artifacts(tracker, mech, final, cfg)
             tracker.finish()
             finished = True
-        tune.report({**final["metrics"], "epoch": cfg.epochs, "done": 1.0})
+        tune.report({**final["metrics"], "epoch": cfg.epochs, "evaluated": 1.0})
         return final["metrics"]
     except Exception:  # Ray stops trials with BaseExceptions of its own: those are not failures
         if tracker and not finished:
