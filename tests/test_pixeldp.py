@@ -137,6 +137,13 @@ def test_config_rejects_bad_values(field, value, match):
         PixelDPConfig(**{field: value})
 
 
+def test_certify_rejects_wrong_image_shape():
+    from dpmech.certify import certify
+
+    with pytest.raises(ValueError, match="x must hold images of shape"):
+        certify(PixelDPCNN(0.1), torch.zeros(2, 3, 32, 32), torch.zeros(2, dtype=torch.long), n=2)
+
+
 def test_trainer_rejects_wrong_image_shape():
     with pytest.raises(ValueError, match="x_train"):
         PixelDPTrainer(PixelDPConfig(), torch.zeros(4, 3, 32, 32), torch.zeros(4, dtype=torch.long))

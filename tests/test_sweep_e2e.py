@@ -190,3 +190,28 @@ def test_interrupted_sweep_finished_by_resume(tmp_path):
     assert len(children) == 3
     assert all(r.info.status == "FINISHED" for r in children)
     assert all("cert_acc_0.1" in r.data.metrics for r in children)
+
+
+def test_optuna_multi_objective_and_asha(tmp_path, ray_local, monkeypatch):
+    """Optuna proposes trials for two objectives; ASHA schedules on the per-epoch test_acc."""
+    from sweeps.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spec = _spec(tmp_path, "optuna", [0.5, 1.0],
+                 search={"algorithm": "optuna", "num_samples": 3, "seed": 1,
+                         "objectives": [{"metric": "acc_clean", "mode": "max"}, {"metric": "epsilon", "mode": "min"}]})
+    raw = yaml.safe_load(spec.read_text())
+    raw["trainables"][0]["search"]["lr"] = {"loguniform": [1e-4, 1e-2]}
+    spec.write_text(yaml.safe_dump(raw))
+    assert main(["run", str(spec), "--tracking-uri", uri]) == 0
+    _, _, children = _runs(uri, "optuna")
+    assert len(children) == 3
+    lrs = {float(r.data.params["lr"]) for r in children}
+    assert len(lrs) == 3 and all(1e-4 <= lr <= 1e-2 for lr in lrs)
+
+    spec = _spec(tmp_path, "asha", [0.5, 1.0, 2.0],
+                 scheduler={"type": "asha", "metric": "test_acc", "mode": "max", "grace_period": 1})
+    assert main(["run", str(spec), "--tracking-uri", uri]) == 0
+    _, _, children = _runs(uri, "asha")
+    assert len(children) == 3

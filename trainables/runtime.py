@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -96,7 +97,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
     xt, yt = (t.to(device) for t in test.tensors)
     mech = mechanism_cls(cfg, x, y, device)
 
-    meta: dict[str, Any] = {"mlflow_run_id": None, "history": []}
+    meta: dict[str, Any] = {"mlflow_run_id": None, "history": [], "compute_seconds": 0.0}
     ckpt = tune.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
@@ -114,8 +115,10 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
     finished = False
     try:
         while mech.epoch < cfg.epochs:
+            t0 = time.perf_counter()
             metrics = mech.train_epoch()
             metrics["test_acc"] = mech.test_accuracy(xt, yt)
+            meta["compute_seconds"] = meta.get("compute_seconds", 0.0) + time.perf_counter() - t0
             epoch = mech.epoch
             meta["history"].append({"epoch": epoch, **metrics})
             if tracker:
@@ -124,7 +127,10 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
                 _save_checkpoint(Path(tmp), mech, meta)
                 tune.report({**metrics, "epoch": epoch}, checkpoint=tune.Checkpoint.from_directory(tmp))
 
+        t0 = time.perf_counter()
         final = evaluate(mech, cfg, xt, yt)
+        # time spent training and evaluating, without logging and checkpointing (all attempts)
+        final["metrics"]["compute_seconds"] = meta.get("compute_seconds", 0.0) + time.perf_counter() - t0
         if tracker:
             tracker.log_metrics(final["metrics"], step=cfg.epochs)
             log_final_artifacts(tracker, mech, final, cfg)
@@ -132,10 +138,12 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
             finished = True
         tune.report({**final["metrics"], "epoch": cfg.epochs, "evaluated": 1.0})
         return final["metrics"]
-    except Exception:  # Ray stops trials with BaseExceptions of its own: those are not failures
+    except BaseException as exc:
+        # Ray stops a trial (a scheduler's early stop, the end of the sweep) with BaseExceptions of
+        # its own: the run is KILLED, not FAILED, and a run already FINISHED stays so.
         if tracker and not finished:
             try:
-                tracker.finish("FAILED")
+                tracker.finish("FAILED" if isinstance(exc, Exception) else "KILLED")
             except Exception:  # noqa: BLE001 - keep the original error
                 pass
         raise
