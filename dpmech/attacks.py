@@ -1,32 +1,66 @@
-"""Adversarial attacks in an l-inf or l2 ball, batched, on the model's device.
+"""Adversarial attacks in an l-inf or l2 ball, batched, on the device of the input.
 
-* FGSM (Goodfellow et al. 2015): one step of size eps along the normalised gradient.
-* I-FGSM / BIM (Kurakin et al. 2017): ``steps`` steps of ``step_size``, projected on the ball.
-* MIM (Dong et al. 2018): I-FGSM on an accumulated gradient g <- decay g + grad / ||grad||_1.
-* PGD / MadryEtAl (Madry et al. 2018): I-FGSM from a uniformly random start in the ball.
+* FGSM (Goodfellow, Shlens & Szegedy 2015, "Explaining and harnessing adversarial examples"):
+  one step of size eps along the steepest-ascent direction of the loss.
+* I-FGSM / BIM (Kurakin, Goodfellow & Bengio 2017, "Adversarial examples in the physical
+  world"): ``steps`` steps of ``step_size``, each projected on the eps-ball and the domain.
+* MIM (Dong et al. 2018, "Boosting adversarial attacks with momentum"): I-FGSM along an
+  accumulated gradient ``g <- decay * g + grad / ||grad||_1`` (per example).
+* PGD / MadryEtAl (Madry et al. 2018, "Towards deep learning models resistant to adversarial
+  attacks"): I-FGSM from a uniformly random point of the ball.
 
-Conventions: the input domain is a parameter (default [-1, 1], the project's domain) and every
-iterate is clamped to it; the ball is around the clean input and sizes are in the domain's
-units. Without labels the attack uses the model's own predictions on the clean input (the DPAL
-paper's choice, which avoids label leaking). ``eot_samples = k`` averages the loss gradient over
-k forward passes, for models whose forward pass is random (expectation over transformation).
-Gradients are taken with ``torch.autograd.grad`` with respect to the input only: the model's
-parameters get no ``.grad`` and its train/eval mode is left as found.
+Conventions
+-----------
+* Loss: cross-entropy on the model's logits, summed over the batch (per-example gradients are
+  therefore not rescaled by the batch size; every step direction is scale-invariant anyway).
+* Step direction (steepest ascent for the norm): ``sign(grad)`` for l-inf and
+  ``grad / ||grad||_2`` per example for l2. A zero gradient gives a zero step, never NaN.
+* Every iterate is projected on the ball around the *clean* input (per example for l2), then
+  clamped to the input ``domain`` (default ``(-1, 1)``, the project's input scaling; attack
+  sizes are in the domain's units). Clamping moves each coordinate towards the clean input,
+  which lies in the domain, so it never leaves the ball.
+* Labels: with ``y=None`` the attack uses the model's own prediction on the clean input (as
+  the DPAL paper does, to avoid label leaking); with ``eot_samples = k > 1`` that prediction is
+  the argmax of the softmax averaged over k forward passes.
+* ``eot_samples = k``: the loss gradient is averaged over k forward passes (expectation over
+  transformation), for models whose forward pass is random, e.g. PixelDP's noise layer.
+* Gradients are taken with ``torch.autograd.grad`` with respect to the input only (also inside
+  a ``torch.no_grad()`` block): no ``.grad`` accumulates in the model's parameters, and the
+  train/eval mode of every submodule is left exactly as found.
+* Default step size of the iterative attacks: ``2.5 * eps / steps`` (Madry et al.'s rule of
+  thumb: enough to cross the ball from any starting point, with room to move along its
+  boundary); pass ``step_size`` to override.
+* ``eps = 0`` returns an exact copy of ``x`` (no forward pass).
+* PGD's random start draws from an explicit ``torch.Generator`` (this project never uses the
+  global random state for a randomized step); it is required when ``random_start`` is True.
+
+Exact identities (tested): one-step PGD without random start and ``step_size = eps`` is FGSM;
+MIM with ``decay = 0`` is I-FGSM with the same steps and step size.
+
+Every invalid argument raises ``ValueError`` naming the parameter and the rule it broke.
 """
 
 from __future__ import annotations
 
+import inspect
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
 
 from dpmech import _validate as v
 
-ATTACKS = ("fgsm", "ifgsm", "mim", "pgd")
-ALIASES = {"bim": "ifgsm", "madry": "pgd", "madryetal": "pgd"}
-NORMS = ("linf", "l2")
-_TINY = 1e-12
+__all__ = ["ATTACKS", "ALIASES", "NORMS", "fgsm", "ifgsm", "mim", "pgd", "attack",
+           "accuracy_under_attack", "default_step_size"]
 
+ATTACKS = ("fgsm", "ifgsm", "mim", "pgd")
+ALIASES = {"bim": "ifgsm", "i-fgsm": "ifgsm", "madry": "pgd", "madryetal": "pgd"}
+NORMS = ("linf", "l2")
+DEFAULT_DOMAIN = (-1.0, 1.0)
+DOMAIN_TOLERANCE = 1e-6
+
+
+# ----------------------------------------------------------------------------- validation
 
 def _check_domain(domain) -> tuple[float, float]:
     if not isinstance(domain, (tuple, list)) or len(domain) != 2:
@@ -34,195 +68,340 @@ def _check_domain(domain) -> tuple[float, float]:
     lo = v._real("domain[0]", domain[0])
     hi = v._real("domain[1]", domain[1])
     if not lo < hi:
-        raise ValueError(f"domain must have low < high, got {domain!r}")
+        raise ValueError(f"domain must have low < high, got ({lo}, {hi})")
     return lo, hi
 
 
-def _check_inputs(x, y, domain):
+def _check_x(x, domain: tuple[float, float]) -> None:
     if not torch.is_tensor(x) or not x.is_floating_point():
-        raise ValueError("x must be a floating-point tensor")
-    if x.dim() not in (2, 4) or x.shape[0] == 0:
+        kind = f"a {x.dtype} tensor" if torch.is_tensor(x) else type(x).__name__
+        raise ValueError(f"x must be a floating-point tensor, got {kind}")
+    if x.dim() not in (2, 4) or x.shape[0] == 0 or x[0].numel() == 0:
         raise ValueError(f"x must have shape [N, C, H, W] or [N, D] with N > 0, got {tuple(x.shape)}")
+    if not torch.isfinite(x.detach()).all().item():
+        raise ValueError("x must be finite (it contains NaN or inf)")
+    lo_x, hi_x = (t.item() for t in torch.aminmax(x.detach()))
     lo, hi = domain
-    if x.min().item() < lo - 1e-6 or x.max().item() > hi + 1e-6:
-        raise ValueError(f"x must lie in the domain [{lo}, {hi}], got values in [{x.min().item():.4g}, {x.max().item():.4g}]")
-    if y is not None and (not torch.is_tensor(y) or tuple(y.shape) != (x.shape[0],)):
-        raise ValueError(f"y must be a tensor of shape [{x.shape[0]}]")
+    if lo_x < lo - DOMAIN_TOLERANCE or hi_x > hi + DOMAIN_TOLERANCE:
+        raise ValueError(f"x must lie in the domain [{lo:g}, {hi:g}] (tolerance {DOMAIN_TOLERANCE:g}), "
+                         f"got values in [{lo_x:.6g}, {hi_x:.6g}]")
 
 
-def _per_example_norm(t: torch.Tensor, p: float) -> torch.Tensor:
-    return t.flatten(1).norm(p=p, dim=1).view(-1, *([1] * (t.dim() - 1)))
+def _check_y(y, x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[0]
+    if not torch.is_tensor(y) or y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        kind = f"a {y.dtype} tensor" if torch.is_tensor(y) else type(y).__name__
+        raise ValueError(f"y must be an integer tensor of class indices, got {kind}")
+    if tuple(y.shape) != (n,):
+        raise ValueError(f"y must have shape [{n}] (one label per row of x), got {tuple(y.shape)}")
+    if y.min().item() < 0:
+        raise ValueError(f"y must hold class indices >= 0, got {y.min().item()}")
+    return y.to(device=x.device, dtype=torch.long)
+
+
+def _check_steps(eps: float, steps, step_size) -> tuple[int, float]:
+    steps = v.positive_int("steps", steps)
+    step_size = default_step_size(eps, steps) if step_size is None else v.positive("step_size", step_size)
+    return steps, step_size
+
+
+def default_step_size(eps: float, steps: int) -> float:
+    """``2.5 * eps / steps``: the default step of I-FGSM, MIM and PGD (Madry et al. 2018)."""
+    return 2.5 * eps / steps
+
+
+# ----------------------------------------------------------------------------- geometry
+
+def _per_example(t: torch.Tensor) -> tuple[int, ...]:
+    """Shape that broadcasts one value per example against ``t``."""
+    return (t.shape[0],) + (1,) * (t.dim() - 1)
+
+
+def _prescale(g: torch.Tensor) -> torch.Tensor:
+    """``g`` divided per example by its largest absolute entry (zero rows stay zero).
+
+    A positive per-example factor changes no direction; it keeps the norms computed next away
+    from underflow (tiny gradients) and overflow.
+    """
+    m = g.detach().flatten(1).abs().amax(dim=1).view(_per_example(g))
+    return torch.where(m > 0, g / torch.where(m > 0, m, torch.ones_like(m)), torch.zeros_like(g))
+
+
+def _normalise(g: torch.Tensor, p: float) -> torch.Tensor:
+    """``g / ||g||_p`` per example; a zero row stays zero."""
+    g = _prescale(g)
+    n = g.flatten(1).norm(p=p, dim=1).view(_per_example(g))  # >= 1 for a non-zero row
+    return torch.where(n > 0, g / torch.where(n > 0, n, torch.ones_like(n)), torch.zeros_like(g))
 
 
 def _direction(g: torch.Tensor, norm: str) -> torch.Tensor:
-    """Steepest-ascent unit direction for the norm: sign(g) for l-inf, g/||g||_2 for l2."""
-    if norm == "linf":
-        return g.sign()
-    return g / _per_example_norm(g, 2).clamp_min(_TINY)
+    """Steepest-ascent unit direction for the norm: sign(g) for l-inf, g / ||g||_2 for l2."""
+    return g.sign() if norm == "linf" else _normalise(g, 2)
 
 
 def _project(delta: torch.Tensor, eps: float, norm: str) -> torch.Tensor:
+    """Euclidean projection of ``delta`` on the eps-ball of the norm (per example for l2)."""
     if norm == "linf":
         return delta.clamp(-eps, eps)
-    n = _per_example_norm(delta, 2)
-    return delta * torch.where(n > eps, eps / n.clamp_min(_TINY), torch.ones_like(n))
+    n = delta.flatten(1).norm(p=2, dim=1).view(_per_example(delta))
+    scale = torch.where(n > eps, eps / torch.where(n > 0, n, torch.ones_like(n)), torch.ones_like(n))
+    return delta * scale
 
 
-def _labels(model, x):
+def _random_start(x: torch.Tensor, eps: float, norm: str, domain, generator: torch.Generator) -> torch.Tensor:
+    """A uniformly random point of the eps-ball around ``x``, clamped to the domain.
+
+    l-inf: each coordinate uniform in [-eps, eps]. l2: a Gaussian direction normalised to unit
+    length, times the radius ``eps * U^(1/d)`` (d the number of input dimensions), which is
+    uniform in the ball's volume. Drawn on the generator's device, then moved to ``x``'s.
+    """
+    gdev = generator.device
+    if norm == "linf":
+        u = torch.rand(x.shape, generator=generator, device=gdev, dtype=x.dtype)
+        delta = (2 * u - 1) * eps
+    else:
+        d = x[0].numel()
+        z = torch.randn(x.shape, generator=generator, device=gdev, dtype=x.dtype)
+        r = torch.rand(_per_example(x), generator=generator, device=gdev, dtype=x.dtype)
+        delta = _normalise(z, 2) * (eps * r.pow(1.0 / d))
+    return (x + delta.to(x.device)).clamp(*domain)
+
+
+# ----------------------------------------------------------------------------- model calls
+
+@contextmanager
+def _modes_preserved(model: torch.nn.Module):
+    """Restore the train/eval flag of every submodule as found (mixed modes included)."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            if m.training != training:
+                m.training = training
+
+
+def _logits(model, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    if not torch.is_tensor(out) or out.dim() != 2 or out.shape[0] != x.shape[0]:
+        shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+        raise ValueError(f"model must return logits of shape [N, K] = [{x.shape[0]}, classes], got {shape}")
+    return out
+
+
+def _predicted_labels(model, x: torch.Tensor, eot_samples: int) -> torch.Tensor:
+    """The model's prediction on the clean input (mean softmax over ``eot_samples`` passes)."""
     with torch.no_grad():
-        return model(x).argmax(dim=1)
+        if eot_samples == 1:
+            return _logits(model, x).argmax(dim=1)
+        probs = sum(F.softmax(_logits(model, x).float(), dim=1) for _ in range(eot_samples))
+        return probs.argmax(dim=1)
 
 
-def _grad(model, x_adv: torch.Tensor, y: torch.Tensor, eot_samples: int) -> torch.Tensor:
-    """Mean over ``eot_samples`` forward passes of the gradient of the summed cross-entropy."""
+def _loss_grad(model, x_adv: torch.Tensor, y: torch.Tensor, eot_samples: int, y_max: int = -1) -> torch.Tensor:
+    """Mean over ``eot_samples`` forward passes of d(sum of cross-entropies) / d(input).
+
+    ``y_max`` (the largest label, known in advance) is checked against the number of logits
+    before the loss is computed (an out-of-range label is a device-side assert on a GPU).
+    """
     total = torch.zeros_like(x_adv)
-    for _ in range(eot_samples):
-        xa = x_adv.detach().requires_grad_(True)
-        loss = F.cross_entropy(model(xa), y, reduction="sum")
-        (g,) = torch.autograd.grad(loss, xa)
-        total += g
-    return total / eot_samples
+    with torch.enable_grad():
+        for _ in range(eot_samples):
+            xa = x_adv.detach().clone().requires_grad_(True)
+            logits = _logits(model, xa)
+            if y_max >= logits.shape[1]:
+                raise ValueError(f"y must hold class indices < {logits.shape[1]} (the model's number of classes), "
+                                 f"got {y_max}")
+            loss = F.cross_entropy(logits, y, reduction="sum")
+            if loss.requires_grad:
+                (g,) = torch.autograd.grad(loss, xa, allow_unused=True)
+                if g is not None:
+                    total += g
+    return total / eot_samples if eot_samples > 1 else total
 
 
-def _setup(x, y, eps, norm, domain, eot_samples, model):
+def _iterate(model, x, y, *, eps, steps, step_size, norm, domain, eot_samples, decay=None, start=None):
+    """Shared loop of FGSM, I-FGSM, MIM and PGD.
+
+    ``decay=None``: plain I-FGSM steps along direction(grad). Otherwise MIM: the step follows
+    direction(g) with ``g <- decay * g + grad / ||grad||_1``. With ``decay = 0`` the accumulated
+    ``g`` is the current gradient times a positive per-example factor, which the direction
+    ignores, so the raw gradient is used: MIM(decay=0) is then bitwise I-FGSM.
+    """
+    x_adv = x.clone() if start is None else start
+    y_max = int(y.max().item())
+    momentum = None
+    for _ in range(steps):
+        g = _loss_grad(model, x_adv, y, eot_samples, y_max)
+        if decay is not None and decay > 0:
+            momentum = _normalise(g, 1) if momentum is None else decay * momentum + _normalise(g, 1)
+            g = momentum
+        x_adv = x_adv + step_size * _direction(g, norm)
+        x_adv = (x + _project(x_adv - x, eps, norm)).clamp(*domain)
+    return x_adv.detach()
+
+
+def _prepare(model, x, y, eps, norm, domain, eot_samples):
+    """Validate the arguments common to every attack; labels are resolved later (lazily)."""
     eps = v.non_negative("eps", eps)
     norm = v.choice("norm", norm, NORMS)
     domain = _check_domain(domain)
     eot_samples = v.positive_int("eot_samples", eot_samples)
-    _check_inputs(x, y, domain)
-    if y is None:
-        y = _labels(model, x)
+    if not callable(model):
+        raise ValueError(f"model must be a callable torch module, got {type(model).__name__}")
+    _check_x(x, domain)
+    if y is not None:
+        y = _check_y(y, x)
     return eps, norm, domain, eot_samples, y
 
 
-def _iterate(model, x, y, *, eps, steps, step_size, norm, domain, eot_samples, decay=None, start=None):
-    """Shared loop of I-FGSM, MIM and PGD."""
-    lo, hi = domain
-    x_adv = x.clone() if start is None else start
-    momentum = torch.zeros_like(x) if decay is not None else None
-    for _ in range(steps):
-        g = _grad(model, x_adv, y, eot_samples)
-        if momentum is not None:
-            momentum = decay * momentum + g / _per_example_norm(g, 1).clamp_min(_TINY)
-            g = momentum
-        x_adv = x_adv + step_size * _direction(g, norm)
-        x_adv = (x + _project(x_adv - x, eps, norm)).clamp(lo, hi)
-    return x_adv.detach()
+def _run(model, x, y, *, eps, norm, domain, eot_samples, **loop):
+    x = x.detach()
+    if eps == 0:
+        return x.clone()
+    ctx = _modes_preserved(model) if isinstance(model, torch.nn.Module) else nullcontext()
+    with ctx:
+        if y is None:
+            y = _predicted_labels(model, x, eot_samples)
+        start = loop.pop("start_fn", None)
+        if start is not None:
+            loop["start"] = start(x)
+        return _iterate(model, x, y, eps=eps, norm=norm, domain=domain, eot_samples=eot_samples, **loop)
 
 
-class _KeepMode:
-    """Leave the model's train/eval mode as it was found."""
+# ----------------------------------------------------------------------------- attacks
 
-    def __init__(self, model):
-        self.model = model
+def fgsm(model, x, y=None, *, eps, norm="linf", domain=DEFAULT_DOMAIN, eot_samples=1) -> torch.Tensor:
+    """Fast gradient sign method (Goodfellow et al. 2015), and its l2 analogue.
 
-    def __enter__(self):
-        self.was = self.model.training
+    ``x + eps * direction(grad_x loss)``, clamped to ``domain``: ``direction`` is ``sign`` for
+    ``norm="linf"`` and ``grad / ||grad||_2`` for ``norm="l2"`` (the fast gradient method).
 
-    def __exit__(self, *exc):
-        self.model.train(self.was)
-
-
-def fgsm(model, x, y=None, *, eps, norm="linf", domain=(-1.0, 1.0), eot_samples=1):
-    """FGSM (Goodfellow et al. 2015): x + eps * direction(grad), clamped to the domain."""
-    with _KeepMode(model):
-        eps, norm, domain, eot_samples, y = _setup(x, y, eps, norm, domain, eot_samples, model)
-        if eps == 0:
-            return x.clone()
-        g = _grad(model, x, y, eot_samples)
-        return (x + eps * _direction(g, norm)).clamp(*domain).detach()
-
-
-def _iter_params(eps, steps, step_size):
-    steps = v.positive_int("steps", steps)
-    if step_size is None:
-        step_size = 2.5 * eps / steps  # Madry et al.'s choice: can reach the boundary from anywhere
-    else:
-        step_size = v.positive("step_size", step_size)
-    return steps, step_size
-
-
-def ifgsm(model, x, y=None, *, eps, steps=10, step_size=None, norm="linf", domain=(-1.0, 1.0), eot_samples=1):
-    """I-FGSM / BIM (Kurakin et al. 2017): iterated FGSM steps projected on the eps-ball."""
-    with _KeepMode(model):
-        eps, norm, domain, eot_samples, y = _setup(x, y, eps, norm, domain, eot_samples, model)
-        steps, step_size = _iter_params(eps, steps, step_size)
-        if eps == 0:
-            return x.clone()
-        return _iterate(model, x, y, eps=eps, steps=steps, step_size=step_size, norm=norm, domain=domain,
-                        eot_samples=eot_samples)
-
-
-def mim(model, x, y=None, *, eps, steps=10, step_size=None, decay=1.0, norm="linf", domain=(-1.0, 1.0),
-        eot_samples=1):
-    """MIM (Dong et al. 2018): g <- decay * g + grad / ||grad||_1, step along direction(g).
-
-    With ``decay = 0`` this is exactly I-FGSM (the l1 normalisation does not change a direction).
+    Args:
+        model: returns logits ``[N, K]``; its mode and parameter gradients are left untouched.
+        x: clean inputs ``[N, C, H, W]`` or ``[N, D]`` within ``domain``.
+        y: labels ``[N]``; ``None`` uses the model's prediction on ``x`` (no label leaking).
+        eps: attack size (>= 0) in the units of ``domain``; 0 returns an exact copy of ``x``.
+        eot_samples: forward passes the gradient is averaged over (random models).
     """
-    with _KeepMode(model):
-        eps, norm, domain, eot_samples, y = _setup(x, y, eps, norm, domain, eot_samples, model)
-        steps, step_size = _iter_params(eps, steps, step_size)
-        decay = v.non_negative("decay", decay)
-        if eps == 0:
-            return x.clone()
-        return _iterate(model, x, y, eps=eps, steps=steps, step_size=step_size, norm=norm, domain=domain,
-                        eot_samples=eot_samples, decay=decay)
+    eps, norm, domain, eot_samples, y = _prepare(model, x, y, eps, norm, domain, eot_samples)
+    return _run(model, x, y, eps=eps, norm=norm, domain=domain, eot_samples=eot_samples,
+                steps=1, step_size=eps)
 
 
-def _random_start(x, eps, norm, domain, generator):
-    lo, hi = domain
-    if norm == "linf":
-        u = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
-        delta = (2 * u - 1) * eps
-    else:  # uniform in the l2 ball: Gaussian direction, radius eps * U^(1/d)
-        d = x[0].numel()
-        z = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
-        z = z / _per_example_norm(z, 2).clamp_min(_TINY)
-        r = torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), generator=generator, device=x.device, dtype=x.dtype)
-        delta = z * eps * r.pow(1.0 / d)
-    return (x + delta).clamp(lo, hi)
+def ifgsm(model, x, y=None, *, eps, steps=10, step_size=None, norm="linf", domain=DEFAULT_DOMAIN,
+          eot_samples=1) -> torch.Tensor:
+    """Iterative FGSM / basic iterative method, BIM (Kurakin et al. 2017).
+
+    From the clean ``x``, ``steps`` times: ``x' <- clamp_domain(x + P_eps(x' + step_size *
+    direction(grad) - x))`` where ``P_eps`` projects on the eps-ball (l-inf or l2).
+    ``step_size`` defaults to ``2.5 * eps / steps``. Other arguments as in :func:`fgsm`.
+    """
+    eps, norm, domain, eot_samples, y = _prepare(model, x, y, eps, norm, domain, eot_samples)
+    steps, step_size = _check_steps(eps, steps, step_size)
+    return _run(model, x, y, eps=eps, norm=norm, domain=domain, eot_samples=eot_samples,
+                steps=steps, step_size=step_size)
+
+
+def mim(model, x, y=None, *, eps, steps=10, step_size=None, decay=1.0, norm="linf", domain=DEFAULT_DOMAIN,
+        eot_samples=1) -> torch.Tensor:
+    """Momentum iterative method, MI-FGSM (Dong et al. 2018).
+
+    ``g_{t+1} = decay * g_t + grad / ||grad||_1`` (l1 norm per example, ``g_0 = 0``), then an
+    I-FGSM step along ``sign(g_{t+1})`` (l-inf) or ``g_{t+1} / ||g_{t+1}||_2`` (l2), projected
+    on the eps-ball and clamped to the domain. ``decay`` (the paper's mu, default 1.0) must be
+    >= 0; with ``decay = 0`` this is exactly :func:`ifgsm`. ``step_size`` defaults to
+    ``2.5 * eps / steps`` (the paper uses ``eps / steps``; pass it to reproduce).
+    """
+    eps, norm, domain, eot_samples, y = _prepare(model, x, y, eps, norm, domain, eot_samples)
+    steps, step_size = _check_steps(eps, steps, step_size)
+    decay = v.non_negative("decay", decay)
+    return _run(model, x, y, eps=eps, norm=norm, domain=domain, eot_samples=eot_samples,
+                steps=steps, step_size=step_size, decay=decay)
 
 
 def pgd(model, x, y=None, *, eps, steps=10, step_size=None, random_start=True, norm="linf",
-        domain=(-1.0, 1.0), eot_samples=1, generator=None):
-    """PGD / MadryEtAl (Madry et al. 2018): I-FGSM from a uniform random point of the ball."""
-    with _KeepMode(model):
-        eps, norm, domain, eot_samples, y = _setup(x, y, eps, norm, domain, eot_samples, model)
-        steps, step_size = _iter_params(eps, steps, step_size)
-        if eps == 0:
-            return x.clone()
-        start = None
-        if random_start:
-            if generator is None:
-                raise ValueError("generator must be a torch.Generator when random_start is True")
-            start = _random_start(x, eps, norm, domain, generator)
-        return _iterate(model, x, y, eps=eps, steps=steps, step_size=step_size, norm=norm, domain=domain,
-                        eot_samples=eot_samples, start=start)
+        domain=DEFAULT_DOMAIN, eot_samples=1, generator=None) -> torch.Tensor:
+    """Projected gradient descent, MadryEtAl (Madry et al. 2018).
+
+    I-FGSM started from a uniformly random point of the eps-ball around ``x`` (clamped to the
+    domain): uniform per coordinate for l-inf; for l2 a Gaussian direction of radius
+    ``eps * U^(1/d)``. The start is drawn from ``generator`` (a ``torch.Generator``, required
+    when ``random_start`` is True; it may live on another device than ``x``). ``step_size``
+    defaults to ``2.5 * eps / steps``. With ``random_start=False``, ``steps=1`` and
+    ``step_size=eps`` this is exactly :func:`fgsm`.
+    """
+    eps, norm, domain, eot_samples, y = _prepare(model, x, y, eps, norm, domain, eot_samples)
+    steps, step_size = _check_steps(eps, steps, step_size)
+    if not isinstance(random_start, bool):
+        raise ValueError(f"random_start must be a bool, got {random_start!r}")
+    start_fn = None
+    if random_start:
+        if not isinstance(generator, torch.Generator):
+            raise ValueError("generator must be a torch.Generator when random_start is True "
+                             f"(randomized steps take an explicit generator), got {type(generator).__name__}")
+        start_fn = lambda x0: _random_start(x0, eps, norm, domain, generator)  # noqa: E731
+    return _run(model, x, y, eps=eps, norm=norm, domain=domain, eot_samples=eot_samples,
+                steps=steps, step_size=step_size, start_fn=start_fn)
 
 
 _FNS = {"fgsm": fgsm, "ifgsm": ifgsm, "mim": mim, "pgd": pgd}
 
 
-def attack(name: str, model, x, y=None, **kwargs):
-    """Run the attack called ``name`` (one of ATTACKS, or the aliases bim / madry)."""
+def _resolve(name) -> str:
     if not isinstance(name, str):
-        raise ValueError(f"attack must be a string, got {name!r}")
+        raise ValueError(f"attack must be a string naming an attack, got {name!r}")
     key = ALIASES.get(name.lower(), name.lower())
     if key not in _FNS:
-        raise ValueError(f"attack must be one of {', '.join(ATTACKS)}; got {name!r}")
-    return _FNS[key](model, x, y, **kwargs)
+        raise ValueError(f"attack must be one of {', '.join(repr(a) for a in ATTACKS)} "
+                         f"(aliases: {', '.join(repr(a) for a in ALIASES)}); got {name!r}")
+    return key
+
+
+def attack(name: str, model, x, y=None, **kwargs) -> torch.Tensor:
+    """Run the attack called ``name`` (one of ``ATTACKS``, or an alias: bim, madry, ...).
+
+    ``kwargs`` go to the attack (``eps`` is required); an argument the attack does not take
+    raises ``ValueError`` naming it.
+    """
+    fn = _FNS[_resolve(name)]
+    allowed = set(inspect.signature(fn).parameters) - {"model", "x", "y"}
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise ValueError(f"{unknown[0]} is not a parameter of attack {fn.__name__!r}; "
+                         f"it takes {', '.join(sorted(allowed))}")
+    return fn(model, x, y, **kwargs)
 
 
 def accuracy_under_attack(model, x, y, name: str, eps: float, *, batch_size: int = 500,
                           use_true_labels: bool = False, **kwargs) -> float:
-    """Accuracy (against the true ``y``) on adversarial examples of ``x``, batch by batch."""
+    """Accuracy against the true labels ``y`` on adversarial examples of ``x``, batch by batch.
+
+    Each batch is moved to the model's device (that of its first parameter; ``x``'s device for
+    a model without parameters) and attacked with ``attack(name, ..., eps=eps, **kwargs)``. The
+    attack is given the true labels only if ``use_true_labels`` is True; by default it uses
+    the model's own predictions (no label leaking). Predictions on the adversarial examples are
+    one forward pass in the model's current mode (set ``eval()`` first for a deterministic
+    model). For PGD with a random start, pass ``generator=``; it is shared by the batches.
+    """
+    _resolve(name)
+    v.non_negative("eps", eps)
     batch_size = v.positive_int("batch_size", batch_size)
-    device = next(model.parameters()).device
+    if not isinstance(use_true_labels, bool):
+        raise ValueError(f"use_true_labels must be a bool, got {use_true_labels!r}")
+    if not torch.is_tensor(x) or x.dim() not in (2, 4) or x.shape[0] == 0:
+        shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
+        raise ValueError(f"x must be a tensor of shape [N, C, H, W] or [N, D] with N > 0, got {shape}")
+    _check_y(y, x)
+    try:
+        device = next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        device = x.device
     correct = 0
     for s in range(0, x.shape[0], batch_size):
         xb = x[s:s + batch_size].to(device)
-        yb = y[s:s + batch_size].to(device)
+        yb = y[s:s + batch_size].to(device=device, dtype=torch.long)
         adv = attack(name, model, xb, yb if use_true_labels else None, eps=eps, **kwargs)
         with torch.no_grad():
-            correct += (model(adv).argmax(1) == yb).sum().item()
+            correct += (_logits(model, adv).argmax(dim=1) == yb).sum().item()
     return correct / x.shape[0]
