@@ -1,441 +1,473 @@
-"""Sweep specs: YAML files that declare what to run (docs/specs.md has the full reference).
+"""Sweep specs: YAML files that declare a sweep (docs/specs.md is the full reference).
 
 ``load_spec(path, overrides)`` reads a spec with ``yaml.safe_load``, applies ``--set key=value``
-overrides and validates everything before Ray starts: the spec's own sections (pydantic) and
-every candidate value of every trainable parameter (through that trainable's config schema).
-Any problem raises ``SpecError`` with one line ``<field path>: <rule>``, for example
-``trainables[0].search.epsilon[2]: must be > 0``.
+overrides and validates everything before Ray starts: the spec's own sections (the pydantic
+models below), the rules between them, and every candidate value of every trainable parameter
+(through that trainable's config schema, ``sweeps.spec_space``). Any problem raises
+``SpecError`` with one line ``<field path>: <rule>``, for example
+``trainables[0].search.epsilon[2]: must be > 0, got -1.0``.
 
-``expand_trials`` turns a grid/random spec into the exact list of flat trial configs
-(deterministic: the random draws come from ``search.seed``); ``ray_param_space`` gives the
-Ray Tune ``param_space`` for any algorithm.
+``expand_trials`` gives the exact list of flat trial configs of a grid/random spec
+(deterministic: the random draws come from ``search.seed``); ``ray_param_space`` gives the Ray
+Tune ``param_space`` for any algorithm; ``spec_to_flat_params`` the MLflow params of the spec.
+
+Ray is imported only inside ``ray_param_space``.
 """
 
 from __future__ import annotations
 
-import difflib
-import itertools
-import math
+import copy
+import json
+import re
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
-import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from trainables.registry import REGISTRY
+from sweeps.spec_space import (
+    MAX_TRIALS,
+    PER_EPOCH_METRICS,
+    SpecError,
+    TrainableSpace,
+    build_space,
+    check_common,
+    check_metric,
+    check_trainable_name,
+    did_you_mean,
+    expand,
+    first_error,
+    join_path,
+    pydantic_rule,
+    short_repr,
+    union_members,
+)
 
-DISTRIBUTIONS = ("grid", "choice", "uniform", "loguniform")
+__all__ = [
+    "MAX_TRIALS", "SpecError", "SweepSpec", "apply_overrides", "expand_trials", "load_spec", "ray_param_space",
+    "spec_to_flat_params", "validate_spec",
+]
 
-
-class SpecError(ValueError):
-    """An invalid spec: the message is one line naming the field path and the rule."""
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
+PARAM_VALUE_LIMIT = 500  # characters of an MLflow param value
 
 
 # --------------------------------------------------------------------------- the spec's sections
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
 class MlflowSection(_Section):
-    experiment: str | None = None
-    tracking_uri: str | None = None
+    """Where the sweep is tracked."""
+
+    experiment: str | None = Field(None, min_length=1, description="MLflow experiment (default: the spec's name)")
+    tracking_uri: str | None = Field(
+        None, min_length=1,
+        description="tracking URI (default: --tracking-uri, else MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
 
 
 class TrainableSection(_Section):
-    name: str
-    search: dict[str, Any] = Field(default_factory=dict)
+    """One entry of ``trainables``: a registered trainable and its parameter space."""
+
+    name: str = Field(min_length=1, description="registered trainable (dpsweep mechanisms)")
+    search: dict[str, Any] = Field(default_factory=dict, description="parameter -> value or distribution")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_search(cls, data):
+        if isinstance(data, dict) and "search" in data and data["search"] is None:
+            data = {k: v for k, v in data.items() if k != "search"}
+        return data
 
 
 class Objective(_Section):
-    metric: str
+    """One objective of a multi-objective Optuna search."""
+
+    metric: str = Field(min_length=1)
     mode: Literal["min", "max"]
 
 
 class SearchSection(_Section):
+    """How trials are generated."""
+
     algorithm: Literal["grid", "random", "optuna"] = "grid"
-    num_samples: int = Field(1, ge=1)
-    seed: int = Field(0, ge=0)
-    metric: str | None = None
+    num_samples: int = Field(1, ge=1, description="grid: repeats of the grid; random: samples per grid point; "
+                                                  "optuna: trials")
+    seed: int = Field(0, ge=0, description="seed of the random draws and of Optuna's sampler")
+    metric: str | None = Field(None, min_length=1, description="metric Optuna optimises / the sweep's best is by")
     mode: Literal["min", "max"] | None = None
-    objectives: list[Objective] = Field(default_factory=list)
+    objectives: list[Objective] = Field(default_factory=list, description="Optuna multi-objective")
 
 
 class SchedulerSection(_Section):
+    """Early stopping of trials on their per-epoch results."""
+
     type: Literal["none", "asha"] = "none"
-    metric: str | None = None
-    mode: Literal["min", "max"] = "max"
-    grace_period: int = Field(1, ge=1)
-    reduction_factor: int = Field(2, ge=2)
+    metric: str | None = Field(None, min_length=1, description="a per-epoch metric (train_loss, test_acc)")
+    mode: Literal["min", "max"] | None = Field(None, description="default: the metric's direction")
+    grace_period: int = Field(1, ge=1, description="epochs a trial runs before it can be stopped")
+    reduction_factor: float = Field(2.0, gt=1, allow_inf_nan=False, description="ASHA halving rate")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_mode(cls, data):
+        if isinstance(data, dict) and data.get("mode") is None and data.get("metric") in PER_EPOCH_METRICS:
+            data = {**data, "mode": PER_EPOCH_METRICS[data["metric"]]}
+        return data
 
 
-class Resources(_Section):
-    cpu: float = Field(1.0, gt=0)
-    gpu: float = Field(0.0, ge=0)
+class ResourcesSection(_Section):
+    """Resources of one trial."""
+
+    cpu: float = Field(1.0, gt=0, allow_inf_nan=False)
+    gpu: float = Field(0.0, ge=0, allow_inf_nan=False, description="fractional shares a GPU (0.25: four trials)")
 
 
 class FailureSection(_Section):
-    max_retries: int = Field(0, ge=0)
+    """Retries of failed trials (Ray FailureConfig)."""
+
+    max_retries: int = Field(0, ge=0, description="retries of a failed trial, from its last checkpoint")
+
+
+_OPTIONAL = ("description", "storage", "mlflow", "common", "search", "scheduler", "resources",
+             "max_concurrent_trials", "failure")
 
 
 class SweepSpec(_Section):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """A validated sweep spec. Build it with ``load_spec`` or ``validate_spec``; ``raw`` is the
+    mapping as written (after overrides), ``spaces`` the validated space of each trainable."""
+
+    name: str = Field(description="experiment name: letters, digits, _ . -")
     description: str = ""
-    storage: str | None = None
+    storage: str = Field("./ray_results", min_length=1, description="Ray storage: local path, shared mount or s3://")
     mlflow: MlflowSection = Field(default_factory=MlflowSection)
-    common: dict[str, Any] = Field(default_factory=dict)
+    common: dict[str, Any] = Field(default_factory=dict, description="fixed values for every trainable")
     trainables: list[TrainableSection] = Field(min_length=1)
     search: SearchSection = Field(default_factory=SearchSection)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
-    resources: Resources = Field(default_factory=Resources)
+    resources: ResourcesSection = Field(default_factory=ResourcesSection)
     max_concurrent_trials: int | None = Field(None, ge=1)
     failure: FailureSection = Field(default_factory=FailureSection)
 
-    _raw: dict = PrivateAttr(default_factory=dict)
+    _raw: dict | None = PrivateAttr(None)
+    _spaces: tuple[TrainableSpace, ...] | None = PrivateAttr(None)
+    _trials: list[dict] | None = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data):
+        """A section written empty (``common:``) takes its defaults; the MLflow experiment
+        defaults to the spec's name."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if not (k in _OPTIONAL and v is None)}
+        mlflow = data.get("mlflow", {})
+        if isinstance(mlflow, dict) and mlflow.get("experiment") is None and isinstance(data.get("name"), str):
+            data["mlflow"] = {**mlflow, "experiment": data["name"]}
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not NAME_PATTERN.fullmatch(value):
+            raise ValueError(f"must be letters, digits, '_', '.' or '-' only (it names the experiment directory), "
+                             f"got {short_repr(value)}")
+        return value
 
     @property
     def raw(self) -> dict:
         """The spec as written (after overrides), for logging as an artifact."""
-        return self._raw
+        return self._raw if self._raw is not None else self.model_dump()
+
+    @property
+    def spaces(self) -> tuple[TrainableSpace, ...]:
+        """The validated parameter space of each trainable, in spec order."""
+        if self._spaces is None:
+            self._spaces = _build_spaces(self)
+        return self._spaces
+
+    @property
+    def num_trials(self) -> int:
+        """Trials the sweep runs: the expansion's length, or num_samples for Optuna."""
+        if self.search.algorithm == "optuna":
+            return self.search.num_samples
+        return len(_trials(self))
 
 
-_SECTIONS: dict[str, type[BaseModel]] = {
-    "mlflow": MlflowSection, "trainables": TrainableSection, "search": SearchSection, "objectives": Objective,
-    "scheduler": SchedulerSection, "resources": Resources, "failure": FailureSection,
-}
+# --------------------------------------------------------------------------- errors of the sections
 
 
-# --------------------------------------------------------------------------- error messages
-
-
-def _path(loc) -> str:
-    out = ""
+def _section_at(loc) -> type[BaseModel] | None:
+    """The spec model found at a pydantic location (for did-you-mean on an unknown key)."""
+    annotation: Any = SweepSpec
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
+        step = None
+        for member in union_members(annotation):
+            if isinstance(part, str) and isinstance(member, type) and issubclass(member, BaseModel):
+                field = member.model_fields.get(part)
+                step = field.annotation if field else None
+            elif isinstance(part, int) and typing.get_origin(member) is list:
+                step = typing.get_args(member)[0]
+            if step is not None:
+                break
+        if step is None:
+            return None
+        annotation = step
+    return next((m for m in union_members(annotation) if isinstance(m, type) and issubclass(m, BaseModel)), None)
 
 
-def _did_you_mean(key: str, options) -> str:
-    close = difflib.get_close_matches(str(key), [str(o) for o in options], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _rule(err: dict, allowed_keys=None) -> str:
-    """A short rule for one pydantic error."""
-    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
-    if kind == "extra_forbidden":
-        return "unknown key" + (_did_you_mean(err["loc"][-1], allowed_keys) if allowed_keys else "")
-    if kind == "missing":
-        return "required"
-    if kind == "greater_than":
-        return f"must be > {ctx['gt']:g}"
-    if kind == "greater_than_equal":
-        return f"must be >= {ctx['ge']:g}"
-    if kind == "less_than":
-        return f"must be < {ctx['lt']:g}"
-    if kind == "less_than_equal":
-        return f"must be <= {ctx['le']:g}"
-    if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}; got {value!r}"
-    if kind in ("float_type", "float_parsing", "finite_number"):
-        return f"must be a finite number, got {value!r}"
-    if kind in ("int_type", "int_parsing", "int_from_float"):
-        return f"must be an integer, got {value!r}"
-    if kind == "string_type":
-        return f"must be a string, got {value!r}"
-    if kind in ("dict_type", "model_type"):
-        return f"must be a mapping, got {value!r}"
-    if kind == "list_type":
-        return f"must be a list, got {value!r}"
-    if kind == "too_short":
-        return "must not be empty"
-    if kind == "string_pattern_mismatch":
-        return f"must match {ctx.get('pattern')}, got {value!r}"
-    return err["msg"].removeprefix("Value error, ")
-
-
-def _section_keys(loc) -> list[str] | None:
-    """The keys allowed where an unknown key was found."""
-    names = [p for p in loc[:-1] if isinstance(p, str)]
-    cls = _SECTIONS.get(names[-1]) if names else SweepSpec
-    return list(cls.model_fields) if cls else None
-
-
-def _from_validation(exc: ValidationError, prefix: str = "", allowed=None) -> SpecError:
-    errors = exc.errors()
-    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])  # a typo explains the rest
+def _section_error(exc: ValidationError) -> SpecError:
+    err = first_error(exc)
     loc = err["loc"]
-    keys = allowed if allowed is not None else _section_keys(loc)
-    path = _path(loc)
-    if prefix:
-        path = prefix + (("." + path) if path and not path.startswith("[") else path)
-    return SpecError(f"{path}: {_rule(err, keys)}")
+    rule = pydantic_rule(err)
+    if err["type"] == "extra_forbidden":
+        section = _section_at(loc[:-1])
+        if section is not None:
+            rule += did_you_mean(loc[-1], section.model_fields)
+    return SpecError(f"{join_path('', loc) or 'spec'}: {rule}")
 
 
-# --------------------------------------------------------------------------- loading
+# --------------------------------------------------------------------------- loading and overrides
 
 
-def _set_path(raw: dict, dotted: str, value) -> None:
-    parts = dotted.split(".")
+def _override_path(item: str, key: str) -> list[str]:
+    parts = re.sub(r"\[(\d+)\]", r".\1", key).split(".")
+    if any(not p.strip() for p in parts):
+        raise SpecError(f"--set {item!r}: empty key" if not key else f"--set {item!r}: empty part in {key!r}")
+    return [p.strip() for p in parts]
+
+
+def _assign(raw: dict, item: str, parts: list[str], value) -> None:
     node: Any = raw
-    for i, part in enumerate(parts):
-        last = i == len(parts) - 1
-        where = ".".join(parts[: i + 1])
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth]) or "the spec"
+        last = depth == len(parts) - 1
         if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise SpecError(f"--set {dotted}: {where} is not an index of a list of {len(node)}")
-            idx = int(part)
-            if last:
-                node[idx] = value
-            else:
-                node = node[idx]
+            if not part.isdigit():
+                raise SpecError(f"--set {item!r}: {where} is a list; use an index, got {part!r}")
+            index = int(part)
+            if index >= len(node):
+                raise SpecError(f"--set {item!r}: index {index} is out of range ({where} has {len(node)} item(s))")
+            key: Any = index
         elif isinstance(node, dict):
-            if last:
-                node[part] = value
-            else:
-                node = node.setdefault(part, {})
+            key = part
         else:
-            raise SpecError(f"--set {dotted}: {'.'.join(parts[:i])} is a value, not a section")
+            raise SpecError(f"--set {item!r}: {where} is a value ({short_repr(node, 30)}), not a section")
+        if last:
+            node[key] = value
+        else:
+            if isinstance(node, dict) and node.get(key) is None:
+                node[key] = {}  # a missing or empty section is created
+            node = node[key]
 
 
-def apply_overrides(raw: dict, overrides) -> dict:
-    """Apply ``key.path=value`` overrides (values parsed as YAML) to a copy of ``raw``."""
-    import copy
+def apply_overrides(raw: dict, overrides: Iterable[str] | None = ()) -> dict:
+    """A copy of ``raw`` with ``KEY=VALUE`` overrides applied in order.
 
+    KEY is a dotted path (``trainables.0.search.epsilon``; ``trainables[0]`` works too); missing
+    mapping keys are created, list indices must exist. VALUE is parsed with ``yaml.safe_load``
+    (``[0.5, 2]`` is a list, ``null`` is None, an empty VALUE is None).
+    """
     raw = copy.deepcopy(raw)
     for item in overrides or ():
         if not isinstance(item, str) or "=" not in item:
             raise SpecError(f"--set {item!r}: expected KEY=VALUE")
         key, text = item.split("=", 1)
-        key = key.strip()
-        if not key or any(not p for p in key.split(".")):
-            raise SpecError(f"--set {item!r}: empty key")
+        parts = _override_path(item, key.strip())
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise SpecError(f"--set {key}: value is not valid YAML ({str(exc).splitlines()[0]})") from None
-        _set_path(raw, key, value)
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise SpecError(f"--set {item!r}: the value is not valid YAML ({problem})") from None
+        _assign(raw, item, parts, value)
     return raw
 
 
-def load_spec(path: str | Path, overrides=()) -> SweepSpec:
-    """Read, override and validate a spec file."""
+def load_spec(path: str | Path, overrides: Iterable[str] | None = ()) -> SweepSpec:
+    """Read a spec file with ``yaml.safe_load``, apply overrides and validate it."""
     path = Path(path)
-    if not path.is_file():
-        raise SpecError(f"spec: file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise SpecError(f"{path}: is a directory, not a spec file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError(f"spec: {path}{where}: invalid YAML ({problem})") from None
+        raise SpecError(f"{where}: invalid YAML: {problem}") from None
+    if raw is None:
+        raise SpecError(f"{path}: empty spec")
     if not isinstance(raw, dict):
-        raise SpecError(f"spec: {path} must hold a mapping of sections, got {type(raw).__name__}")
+        raise SpecError(f"{path}: must be a mapping of spec keys (name, trainables, ...), got {type(raw).__name__}")
     return validate_spec(apply_overrides(raw, overrides))
 
 
-# --------------------------------------------------------------------------- dimensions
+# --------------------------------------------------------------------------- validation
 
 
-def _is_container(field) -> bool:
-    ann = field.annotation
-    origin = typing.get_origin(ann)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return any(typing.get_origin(a) in (list, dict) or a in (list, dict) for a in typing.get_args(ann))
-    return origin in (list, dict) or ann in (list, dict)
+def _check_search(spec: SweepSpec) -> None:
+    s = spec.search
+    if s.algorithm == "optuna" and len(spec.trainables) != 1:
+        raise SpecError(f"search.algorithm: optuna searches the space of one trainable, got {len(spec.trainables)} "
+                        f"trainables; run one sweep per trainable, or use grid or random")
+    if s.objectives:
+        if s.algorithm != "optuna":
+            raise SpecError("search.objectives: only used by search.algorithm optuna; "
+                            "use search.metric and search.mode")
+        if s.metric is not None or s.mode is not None:
+            raise SpecError("search.objectives: give either search.metric and search.mode, or search.objectives")
+        seen: list[str] = []
+        for j, o in enumerate(s.objectives):
+            if o.metric in seen:
+                raise SpecError(f"search.objectives[{j}].metric: duplicate {o.metric!r}")
+            seen.append(o.metric)
+    elif s.metric is None and s.mode is not None:
+        raise SpecError("search.metric: required with search.mode")
+    elif s.metric is not None and s.mode is None:
+        raise SpecError("search.mode: required with search.metric (min or max)")
+    elif s.algorithm == "optuna" and s.metric is None:
+        raise SpecError("search.metric: required for search.algorithm optuna (with search.mode), "
+                        "or give search.objectives")
 
 
-def _is_numeric(field) -> bool:
-    ann = field.annotation
-    args = typing.get_args(ann) or (ann,)
-    return any(a in (float, int) for a in args)
+def _check_scheduler(spec: SweepSpec) -> None:
+    sch = spec.scheduler
+    if sch.type != "asha":
+        return
+    known = ", ".join(PER_EPOCH_METRICS)
+    if sch.metric is None:
+        raise SpecError(f"scheduler.metric: required for scheduler.type asha (a per-epoch metric: {known})")
+    if sch.metric not in PER_EPOCH_METRICS:
+        raise SpecError(f"scheduler.metric: asha compares per-epoch metrics ({known}), got {sch.metric!r}"
+                        f"{did_you_mean(sch.metric, PER_EPOCH_METRICS)}")
+    better = PER_EPOCH_METRICS[sch.metric]
+    if sch.mode != better:
+        raise SpecError(f"scheduler.mode: {sch.metric} is better when {'lower' if better == 'min' else 'higher'}; "
+                        f"use {better}, got {sch.mode!r}")
 
 
-def parse_dimension(value, field) -> tuple[str, Any]:
-    """(kind, payload): kind in fixed / grid / choice / uniform / loguniform."""
-    if isinstance(value, dict) and len(value) == 1 and next(iter(value)) in DISTRIBUTIONS:
-        kind, payload = next(iter(value.items()))
-        return kind, payload
-    if isinstance(value, list) and not _is_container(field):
-        return "grid", value
-    return "fixed", value
+def _check_resources(spec: SweepSpec) -> None:
+    for key in ("cpu", "gpu"):
+        value = getattr(spec.resources, key)
+        if value > 1 and value != int(value):
+            raise SpecError(f"resources.{key}: above 1 must be a whole number (Ray), got {value:g}")
 
 
-def _candidates(kind: str, payload, where: str):
-    """(suffix, value) pairs that must each validate."""
-    if kind == "fixed":
-        return [("", payload)]
-    if kind in ("grid", "choice"):
-        if not isinstance(payload, list):
-            raise SpecError(f"{where}: {kind} must be a list of values")
-        if not payload:
-            raise SpecError(f"{where}: must not be empty")
-        return [(f"[{j}]" if kind == "grid" else f".choice[{j}]", val) for j, val in enumerate(payload)]
-    if not (isinstance(payload, list) and len(payload) == 2):
-        raise SpecError(f"{where}.{kind}: must be a pair [low, high]")
-    return [(f".{kind}[0]", payload[0]), (f".{kind}[1]", payload[1])]
+def _build_spaces(spec: SweepSpec) -> tuple[TrainableSpace, ...]:
+    for i, t in enumerate(spec.trainables):
+        check_trainable_name(i, t.name)
+    check_common(spec.common, [t.name for t in spec.trainables])
+    return tuple(build_space(i, t.name, t.search, spec.common, spec.search.algorithm)
+                 for i, t in enumerate(spec.trainables))
 
 
-def _schema_error(schema, base: dict, key: str, value, where: str) -> None:
-    try:
-        schema(**{**base, key: value})
-    except ValidationError as exc:
-        errs = [e for e in exc.errors() if e["loc"] and e["loc"][0] == key] or exc.errors()
-        err = errs[0]
-        sub = _path(err["loc"][1:])
-        raise SpecError(f"{where}{('.' + sub) if sub and not sub.startswith('[') else sub}: {_rule(err)}") from None
+def _trials(spec: SweepSpec) -> list[dict]:
+    """The cached expansion of a grid/random spec (computed once; validated specs are frozen)."""
+    if spec._trials is None:
+        spec._trials = expand(spec.spaces, spec.search.num_samples, spec.search.seed)
+    return spec._trials
 
 
-def _check_trainable(i: int, section: TrainableSection, common: dict, algorithm: str) -> None:
-    if section.name not in REGISTRY:
-        raise SpecError(f"trainables[{i}].name: unknown trainable {section.name!r}{_did_you_mean(section.name, REGISTRY)}; "
-                        f"known: {', '.join(REGISTRY)}")
-    schema = REGISTRY[section.name].config_model
-    fields = schema.model_fields
-    for key in common:
-        if key not in fields:
-            raise SpecError(f"common.{key}: unknown key for trainable {section.name!r}{_did_you_mean(key, fields)}")
-    try:
-        schema(**common)
-    except ValidationError as exc:
-        raise _from_validation(exc, "common", allowed=list(fields)) from None
-    for key, value in section.search.items():
-        where = f"trainables[{i}].search.{key}"
-        if key not in fields:
-            raise SpecError(f"{where}: unknown key{_did_you_mean(key, fields)}")
-        kind, payload = parse_dimension(value, fields[key])
-        if kind == "grid" and isinstance(value, dict):
-            where_grid = where + ".grid"
-        else:
-            where_grid = where
-        cands = _candidates(kind, payload, where_grid if kind in ("grid",) else where)
-        if kind in ("uniform", "loguniform"):
-            if algorithm == "grid":
-                raise SpecError(f"{where}: {kind} needs search.algorithm random or optuna (a grid cannot sample)")
-            if not _is_numeric(fields[key]) or _is_container(fields[key]):
-                raise SpecError(f"{where}: {kind} needs a numeric key")
-            lo, hi = payload
-            for v in (lo, hi):
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                    raise SpecError(f"{where}.{kind}: bounds must be finite numbers, got {v!r}")
-            if not lo < hi:
-                raise SpecError(f"{where}.{kind}: low must be < high, got [{lo}, {hi}]")
-            if kind == "loguniform" and lo <= 0:
-                raise SpecError(f"{where}.{kind}: low must be > 0, got {lo}")
-        for suffix, cand in cands:
-            base = where_grid if suffix.startswith("[") else where
-            _schema_error(schema, common, key, cand, base + suffix)
+def _check_metrics(spec: SweepSpec) -> None:
+    """search.metric and each objective must be reported by every trial (or, for Optuna, by
+    every probe config of the space)."""
+    s = spec.search
+    wanted = [("search.metric", s.metric)] if s.metric else []
+    wanted += [(f"search.objectives[{j}].metric", o.metric) for j, o in enumerate(s.objectives)]
+    if not wanted:
+        return
+    configs = _trials(spec) if s.algorithm != "optuna" else [c for sp in spec.spaces for c in sp.probes()]
+    for path, metric in wanted:
+        check_metric(metric, path, configs)
 
 
 def validate_spec(raw: dict) -> SweepSpec:
-    """Validate a raw spec mapping; SpecError on the first problem."""
+    """Validate a spec mapping (as loaded from YAML, overrides applied); ``SpecError`` names the
+    first problem. Checks, in order: the sections, the rules between them, common, each
+    trainable's search, every trial (grid/random) or probe config (optuna), the metric names."""
     if not isinstance(raw, dict):
-        raise SpecError(f"spec: must be a mapping, got {type(raw).__name__}")
+        raise SpecError(f"spec: must be a mapping of spec keys (name, trainables, ...), got {type(raw).__name__}")
     try:
-        spec = SweepSpec(**raw)
+        spec = SweepSpec.model_validate(copy.deepcopy(raw))
     except ValidationError as exc:
-        raise _from_validation(exc) from None
-    spec._raw = raw
-    s = spec.search
-    if s.algorithm == "optuna":
-        if len(spec.trainables) != 1:
-            raise SpecError("search.algorithm: optuna needs exactly one trainable (each mechanism has its own space); "
-                            "run one sweep per mechanism or use grid/random")
-        if not s.objectives and not (s.metric and s.mode):
-            raise SpecError("search.metric: optuna needs search.metric and search.mode, or search.objectives")
-    if spec.scheduler.type == "asha" and not spec.scheduler.metric:
-        raise SpecError("scheduler.metric: required for asha (a per-epoch metric such as test_acc)")
-    for i, section in enumerate(spec.trainables):
-        _check_trainable(i, section, spec.common, s.algorithm)
-    if s.algorithm != "optuna":
-        expand_trials(spec)  # validates every combination
+        raise _section_error(exc) from None
+    _check_search(spec)
+    _check_scheduler(spec)
+    _check_resources(spec)
+    spec._spaces = _build_spaces(spec)
+    if spec.search.algorithm == "optuna":
+        for space in spec.spaces:
+            space.probes()  # the combinations validate (model-level rules)
+    else:
+        _trials(spec)
+    _check_metrics(spec)
+    spec._raw = copy.deepcopy(raw)
     return spec
 
 
-# --------------------------------------------------------------------------- expansion
-
-
-def _dimensions(section: TrainableSection):
-    fields = REGISTRY[section.name].config_model.model_fields
-    fixed, grids, samples = {}, [], []
-    for key, value in section.search.items():
-        kind, payload = parse_dimension(value, fields[key])
-        if kind == "fixed":
-            fixed[key] = payload
-        elif kind == "grid":
-            grids.append((key, payload))
-        else:
-            samples.append((key, kind, payload))
-    return fixed, grids, samples
-
-
-def _draw(rng: np.random.Generator, kind: str, payload):
-    if kind == "choice":
-        return payload[int(rng.integers(len(payload)))]
-    lo, hi = float(payload[0]), float(payload[1])
-    if kind == "uniform":
-        return float(rng.uniform(lo, hi))
-    return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+# --------------------------------------------------------------------------- what the runner uses
 
 
 def expand_trials(spec: SweepSpec) -> list[dict]:
-    """Every trial of a grid/random spec as a flat, fully resolved config (defaults explicit)."""
-    rng = np.random.default_rng(spec.search.seed)
-    trials = []
-    for i, section in enumerate(spec.trainables):
-        schema = REGISTRY[section.name].config_model
-        fixed, grids, samples = _dimensions(section)
-        keys = [k for k, _ in grids]
-        for _ in range(spec.search.num_samples):
-            for combo in itertools.product(*(vals for _, vals in grids)):
-                cfg = {**spec.common, **fixed, **dict(zip(keys, combo))}
-                cfg.update({k: _draw(rng, kind, payload) for k, kind, payload in samples})
-                try:
-                    model = schema(**cfg)
-                except ValidationError as exc:
-                    raise _from_validation(exc, f"trainables[{i}].search", allowed=list(schema.model_fields)) from None
-                trials.append({"trainable": section.name, **model.model_dump()})
-    return trials
+    """Every trial of a grid/random spec as a flat, fully resolved config:
+    ``{"trainable": name, **every schema key}`` (defaults explicit).
+
+    Trainables in spec order; for each, ``num_samples`` repeats of the grid in row-major order of
+    the keys as written, choices and ranges drawn from ``numpy.random.default_rng(search.seed)``.
+    The same spec always gives the same list. The list is a fresh copy on every call.
+    """
+    if spec.search.algorithm == "optuna":
+        raise SpecError("search.algorithm: optuna proposes its trials while the sweep runs; there is no list to expand")
+    return copy.deepcopy(_trials(spec))
 
 
 def ray_param_space(spec: SweepSpec) -> dict:
-    """The Tuner's param_space: the pre-expanded trials for grid/random, Ray domains for optuna."""
+    """The Tuner's ``param_space``.
+
+    grid/random: ``{"trial": tune.grid_search(expand_trials(spec))}`` (one Ray trial per
+    expanded config; ``trainables.dispatch`` unwraps it). optuna: the trainable's flat space,
+    ``{"trainable": name, **common, <key>: fixed value or tune domain}``; a grid becomes
+    ``tune.choice``, uniform/loguniform ``tune.uniform``/``tune.loguniform`` (``tune.randint`` /
+    ``tune.lograndint`` with inclusive bounds for integer keys).
+    """
     from ray import tune
 
     if spec.search.algorithm != "optuna":
         return {"trial": tune.grid_search(expand_trials(spec))}
-    section = spec.trainables[0]
-    fixed, grids, samples = _dimensions(section)
-    space: dict[str, Any] = {"trainable": section.name, **spec.common, **fixed}
-    for key, values in grids:
-        space[key] = tune.choice(values)  # Optuna has no grid; a list is a categorical choice
-    for key, kind, payload in samples:
-        if kind == "choice":
-            space[key] = tune.choice(payload)
-        elif kind == "uniform":
-            space[key] = tune.uniform(float(payload[0]), float(payload[1]))
-        else:
-            space[key] = tune.loguniform(float(payload[0]), float(payload[1]))
-    return space
+    return spec.spaces[0].ray_space()
 
 
 def spec_to_flat_params(spec: SweepSpec) -> dict[str, str]:
-    """The raw spec flattened to ``a.b.0.c -> str`` for MLflow params (values up to 500 chars)."""
+    """The raw spec flattened for MLflow params: ``{"trainables.0.search.epsilon": "[0.5, 1.0]"}``.
+
+    Mappings and lists holding mappings or lists are walked (list items by index); other
+    values are leaves, written as the string itself or JSON (``null``, ``true``, ``[0.5, 1.0]``),
+    truncated to 500 characters.
+    """
     out: dict[str, str] = {}
 
-    def walk(prefix: str, node):
+    def leaf(value) -> str:
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        return text[:PARAM_VALUE_LIMIT]
+
+    def walk(prefix: str, node) -> None:
         if isinstance(node, dict) and node:
             for k, v in node.items():
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
-        elif isinstance(node, list) and node and any(isinstance(x, (dict, list)) for x in node):
+        elif isinstance(node, list) and any(isinstance(x, (dict, list)) for x in node):
             for j, v in enumerate(node):
                 walk(f"{prefix}.{j}", v)
         else:
-            out[prefix] = str(node)[:500]
+            out[prefix] = leaf(node)
 
     walk("", spec.raw)
     return out

@@ -64,7 +64,7 @@ def _runs(uri: str, experiment: str):
     return client, parents, children
 
 
-def test_cli_sweep_logs_parent_and_children(tmp_path, ray_local, monkeypatch):
+def test_cli_sweep_logs_parent_and_children(tmp_path, ray_local, monkeypatch, capsys):
     import pyarrow.parquet as pq
     import torch
 
@@ -74,6 +74,9 @@ def test_cli_sweep_logs_parent_and_children(tmp_path, ray_local, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     spec = _spec(tmp_path, "e2e", [0.5, 1.0])
     assert main(["run", str(spec), "--tracking-uri", uri]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" DONE") == 2 and "STOPPED" not in out  # the results table
+    assert "mlflow ui --backend-store-uri" in out
 
     client, parents, children = _runs(uri, "e2e")
     assert len(parents) == 1 and len(children) == 2

@@ -13,9 +13,9 @@ def trial_config(config: dict) -> dict:
     return dict(config)
 
 
-def dispatch(config: dict):
+def dispatch(config: dict) -> None:
     cfg = trial_config(config)
     name = cfg.get("trainable")
     if name is None:
         raise ValueError("config.trainable: missing (the name of a registered trainable)")
-    return get_trainable(name).fn(cfg)
+    get_trainable(name).fn(cfg)

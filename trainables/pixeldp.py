@@ -58,6 +58,6 @@ class PixelDPMechanism:
         return certify(self.model, x, y, n=cfg.certify_n, eta=cfg.certify_eta, bounds=cfg.certify_bounds)
 
 
-def pixeldp(config: dict) -> dict:
+def pixeldp(config: dict) -> None:
     """Ray Tune function trainable for PixelDP (flat config; see the module docstring)."""
-    return run_trial(config, PixelDPTrialConfig, PixelDPMechanism, "pixeldp")
+    run_trial(config, PixelDPTrialConfig, PixelDPMechanism, "pixeldp")

@@ -82,8 +82,11 @@ def _load_checkpoint(directory: Path, device: torch.device) -> tuple[dict, dict]
     return state, meta
 
 
-def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable: str) -> dict[str, float]:
-    """Run one trial under Ray Tune (see the module docstring). Returns the final metrics."""
+def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable: str) -> None:
+    """Run one trial under Ray Tune (see the module docstring); results go to ``tune.report``.
+
+    Returns nothing: Ray would report a returned dict as one more result, after the final one.
+    """
     from ray import tune
 
     from dpmech.data import load_splits
@@ -137,7 +140,6 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
             tracker.finish()
             finished = True
         tune.report({**final["metrics"], "epoch": cfg.epochs, "evaluated": 1.0})
-        return final["metrics"]
     except BaseException as exc:
         # Ray stops a trial (a scheduler's early stop, the end of the sweep) with BaseExceptions of
         # its own: the run is KILLED, not FAILED, and a run already FINISHED stays so.
