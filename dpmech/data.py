@@ -174,6 +174,22 @@ def _load(dataset, split, size, seed, root, download, size_name) -> TensorDatase
     return TensorDataset(x[idx], y[idx])
 
 
+def ensure_available(dataset: str, *, root: str | Path | None = None) -> None:
+    """Make sure ``dataset``'s files are on disk (fetching them if needed), without loading them.
+
+    Sweep drivers call this once before trials start, so parallel trials never race to fetch.
+    """
+    v.choice("dataset", dataset, DATASETS)
+    root = _root(root)
+    if dataset == "mnist":
+        from dpmech import mnist_offline
+
+        if mnist_offline.has_mnist(root):
+            return
+    for train in (True, False):
+        _torchvision_dataset(dataset, root, train, True)
+
+
 def load_dataset(dataset: str, *, split: str = "train", size: int | None = None, seed: int = 0,
                  root: str | os.PathLike | None = None, download: bool = True) -> TensorDataset:
     """One split of ``dataset`` as a ``TensorDataset(images, labels)``.

@@ -81,13 +81,12 @@ def cmd_run(args) -> int:
         print(format_table(shown) if shown else "(trials are proposed by Optuna while the sweep runs)")
         return EXIT_OK
 
-    from dpmech.data import load_dataset
+    from dpmech.data import ensure_available
 
     for name in sorted(_datasets(trials, spec)):
         print(f"preparing dataset {name} ...", flush=True)
         try:
-            load_dataset(name, split="train")
-            load_dataset(name, split="test")
+            ensure_available(name)
         except Exception as exc:  # noqa: BLE001
             _err(f"dataset {name!r} is not available: {exc}")
             return EXIT_FAILED

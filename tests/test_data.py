@@ -454,3 +454,21 @@ def test_missing_dataset_is_a_clear_error(tmp_path, monkeypatch, name, folder):
         data.load_dataset(name, split="test", root=tmp_path)
     assert len(calls) == 1
     assert isinstance(DatasetNotAvailable("x"), RuntimeError)
+
+
+def test_ensure_available(tmp_path, monkeypatch):
+    data.ensure_available("mnist")  # cached by the fixture-using tests or fetched once
+    assert mnist_offline.has_mnist(data.data_root())
+    with pytest.raises(ValueError, match="dataset"):
+        data.ensure_available("svhn")
+    import torchvision.datasets as tvd
+
+    def no_network(*args, **kwargs):
+        raise OSError("no network")
+
+    for mod in (tvd.mnist, tvd.utils):
+        for attr in ("download_and_extract_archive", "download_url"):
+            if hasattr(mod, attr):
+                monkeypatch.setattr(mod, attr, no_network)
+    with pytest.raises(data.DatasetNotAvailable, match="fashion_mnist"):
+        data.ensure_available("fashion_mnist", root=tmp_path)
