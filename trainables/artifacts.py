@@ -23,8 +23,8 @@ def certification_table(result):
 
     cols = result.as_columns()
     table = pa.table({k: pa.array(np.asarray(val)) for k, val in cols.items()})
-    meta = {"noise_scale": str(result.noise_scale), "sensitivity": str(result.sensitivity),
-            "norm": result.norm, "n": str(result.n), "eta": str(result.eta), "bounds": result.bounds}
+    keys = ("noise_scale", "sensitivity", "norm", "n", "eta", "bounds", "psi", "mu_a")
+    meta = {k: str(getattr(result, k)) for k in keys if hasattr(result, k)}
     return table.replace_schema_metadata({f"dpsweep.{k}": v for k, v in meta.items()})
 
 

@@ -152,12 +152,20 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
 
 
 def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Tensor) -> dict:
-    """Conventional accuracy (clean and each attack at each size), then certification."""
+    """Conventional accuracy (clean and each attack at each size), then certification.
+
+    A mechanism whose predictions are not its model's plain forward pass (DPAL's verified
+    inference) provides ``conventional_accuracy(x, y, cfg)``; the others use
+    ``dpmech.evaluation.conventional_accuracy`` on ``mech.model``.
+    """
     from dpmech.evaluation import certified_accuracy_curve, conventional_accuracy
 
-    metrics = conventional_accuracy(
-        mech.model, xt, yt, attacks=cfg.attacks, norm=cfg.attack_norm, n_predict=cfg.n_predict,
-        eot_samples=cfg.eot_samples, steps=cfg.attack_steps, seed=cfg.seed)
+    if hasattr(mech, "conventional_accuracy"):
+        metrics = mech.conventional_accuracy(xt, yt, cfg)
+    else:
+        metrics = conventional_accuracy(
+            mech.model, xt, yt, attacks=cfg.attacks, norm=cfg.attack_norm, n_predict=cfg.n_predict,
+            eot_samples=cfg.eot_samples, steps=cfg.attack_steps, seed=cfg.seed)
     result = None
     if cfg.certify_images > 0:
         k = min(cfg.certify_images, xt.shape[0])
@@ -167,4 +175,3 @@ def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Ten
             metrics["acc_clean_expected"] = result.accuracy()
     metrics.update(mech.privacy())
     return {"metrics": metrics, "certification": result}
-
