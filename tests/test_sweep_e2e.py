@@ -218,3 +218,27 @@ def test_optuna_multi_objective_and_asha(tmp_path, ray_local, monkeypatch):
     assert main(["run", str(spec), "--tracking-uri", uri]) == 0
     _, _, children = _runs(uri, "asha")
     assert len(children) == 3
+
+
+def test_two_mechanisms_in_one_sweep(tmp_path, ray_local, monkeypatch):
+    """The mechanism is a sweep dimension: PixelDP and DPAL side by side under one parent run."""
+    from sweeps.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spec = _spec(tmp_path, "both", [1.0])
+    raw = yaml.safe_load(spec.read_text())
+    raw["common"].update({"train_size": 600, "epochs": 1, "attacks": {"fgsm": [0.2]}, "attack_norm": "linf",
+                          "certify_images": 16, "certify_n": 20, "test_size": 48})
+    raw["trainables"].append({"name": "dpal", "search": {"eps_t": [1.0], "batch_size": 200, "train_attack_steps": 1,
+                                                         "n_predict": 10, "certify_bounds": "hoeffding"}})
+    spec.write_text(yaml.safe_dump(raw))
+    assert main(["run", str(spec), "--tracking-uri", uri]) == 0
+    _, parents, children = _runs(uri, "both")
+    assert len(parents) == 1 and len(children) == 2
+    by = {r.data.tags["dpsweep.trainable"]: r for r in children}
+    assert set(by) == {"pixeldp", "dpal"}
+    dpal = by["dpal"].data.metrics
+    for key in ("acc_clean", "acc_fgsm_0.2", "cert_acc_0.1", "epsilon", "eps_1", "eps_2", "gamma"):
+        assert key in dpal, key
+    assert dpal["epsilon"] == pytest.approx(1.0, rel=1e-6)

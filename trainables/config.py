@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ATTACK_NAMES = ("fgsm", "ifgsm", "mim", "pgd")
 
@@ -74,3 +74,31 @@ class PixelDPTrialConfig(CommonConfig):
     optimizer: Literal["adam", "sgd"] = Field("adam", description="optimizer")
     weight_decay: float = Field(0.0, ge=0, description="L2 weight decay")
     noise_ramp_epochs: float = Field(0.0, ge=0, description="linear ramp of the noise from 0 to full over this many epochs")
+
+
+class DPALTrialConfig(CommonConfig):
+    """DPAL (docs/dpal.md): DP adversarial learning with the composition robustness bound."""
+
+    eps_t: float = Field(1.0, gt=0, allow_inf_nan=False, description="total privacy budget of Theorem 4 (eps_1 + eps_1/gamma_x + eps_1/gamma + eps_2)")
+    psi: float = Field(2.0, gt=0, allow_inf_nan=False, description="inference noise scale-down of Appendix L (MNIST 2, CIFAR-10 10)")
+    xi: float = Field(1.0, ge=0, allow_inf_nan=False, description="weight of the adversarial term in Eq. 10")
+    train_attacks: list[Literal["ifgsm", "mim", "pgd"]] = Field(
+        default_factory=lambda: ["ifgsm", "mim", "pgd"], min_length=1,
+        description="Alg. 1's ensemble A crafting DP adversarial examples (pgd = MadryEtAl)")
+    train_attack_steps: int = Field(10, gt=0, description="T_mu: iterations of the training attacks")
+    mu_a: float = Field(0.2, gt=0, allow_inf_nan=False, description="attack size tested by isRobust (Alg. 1 line 15), l-inf, [-1, 1] domain")
+    theta1_bound: float = Field(1.0, gt=0, allow_inf_nan=False, description="enforced l1 operator-norm bound on theta_1 (gamma of Lemma 3)")
+    epochs: int = Field(10, gt=0, description="training epochs")
+    batch_size: int = Field(2499, gt=1, description="m: size of the fixed disjoint batches")
+    lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="learning rate")
+    attack_norm: Literal["linf"] = Field("linf", description="DPAL is evaluated under l-inf attacks")
+    n_predict: int = Field(100, gt=0, description="psi-noisy draws per prediction in accuracy metrics")
+    certify_bounds: Literal["argmax", "hoeffding"] = Field("hoeffding", description="confidence bound of verified inference (the paper: Hoeffding)")
+
+    @model_validator(mode="after")
+    def _mechanism_rules(self):
+        """Cross-key rules of the mechanism itself (e.g. Appendix M's eps_t >= 2 on CIFAR-10)."""
+        from trainables.dpal import dpal_config
+
+        dpal_config(self)  # raises ValueError naming the field
+        return self

@@ -11,7 +11,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from trainables.config import CommonConfig, PixelDPTrialConfig
+from trainables.config import CommonConfig, DPALTrialConfig, PixelDPTrialConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,10 @@ REGISTRY: dict[str, TrainableEntry] = {
         "pixeldp", "trainables.pixeldp:pixeldp", PixelDPTrialConfig,
         "PixelDP (Lecuyer et al. 2018): noise layer after a sensitivity-bounded first layer; "
         "certified with the PixelDP robustness test."),
+    "dpal": TrainableEntry(
+        "dpal", "trainables.dpal:dpal", DPALTrialConfig,
+        "DPAL (ICLR 2020 submission, StoBatch lineage): DP auto-encoder and DP adversarial objective with "
+        "fixed noise and disjoint batches (Theorem 4), verified inference with the (kappa + phi)_max bound."),
 }
 
 
