@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from dpmech.attacks import pgd
-from dpmech.dpal import (DPALConfig, DPALNet, DPALTrainer, TrainingNoise, certified_accuracy, delta_l2, delta_r,
-                         robustness_size, search_eps_r, verified_inference)
+from dpmech.dpal import (DPALConfig, DPALNet, DPALTrainer, TrainingNoise, certified_accuracy,
+                         conventional_accuracy_under_attack, delta_l2, delta_r, robustness_size, search_eps_r,
+                         verified_inference)
 from dpmech.dpal.budget import gamma, gamma_x, split_budget
 from dpmech.dpal.model import l1_operator_bound
 from dpmech.dpal.objectives import (dp_adversarial_objective, dp_taylor_loss, label_coefficients,
@@ -465,3 +466,14 @@ def test_pgd_below_the_certified_size_rarely_changes_the_prediction(trained):
     # control: the same attack far beyond the certified size changes many predictions
     far = verified_inference(tr, attacked(np.full(k, 1.0)), ys[cert], seed=3)
     assert float((far.prediction != res.prediction[cert]).mean()) > 0.3
+
+
+@pytest.mark.slow
+def test_conventional_accuracy_under_attack_scores_the_verified_prediction(trained):
+    tr, xt, yt, _ = trained
+    xs, ys = xt[:40], yt[:40]
+    clean = verified_inference(tr, xs, ys, n=50, seed=4).accuracy()
+    hit = conventional_accuracy_under_attack(tr, xs, ys, "fgsm", 1.0, n=50, seed=4)
+    assert 0.0 <= hit < clean
+    with pytest.raises(ValueError, match="mu_a"):
+        conventional_accuracy_under_attack(tr, xs, ys, "fgsm", 0.0)

@@ -89,7 +89,7 @@ class DPALTrainer:
             x_shape=self.model.noised_shape, h_shape=self.model.hidden_shape,
             y_shape=(self.model.h_pi, self.model.classes), scale_x=scales.x, scale_h=scales.h, scale_y=scales.y,
             generator=self.noise_gen).to(self.device)
-        self.train_gen = torch.Generator(device="cpu").manual_seed(config.seed + 3)
+        self.train_gen = torch.Generator(device=self.device).manual_seed(config.seed + 3)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
         self.epoch = 0
         self.steps = 0
@@ -126,7 +126,7 @@ class DPALTrainer:
 
     def _draw_mu(self) -> float:
         """mu_t uniform in (0, 1] (Alg. 1 line 7)."""
-        return 1.0 - torch.rand((), generator=self.train_gen).item()
+        return 1.0 - torch.rand((), generator=self.train_gen, device=self.device).item()
 
     # ------------------------------------------------------------------ training
     def train_epoch(self, progress=None) -> dict[str, float]:

@@ -175,7 +175,7 @@ def conventional_accuracy_under_attack(trainer, x: torch.Tensor, y: torch.Tensor
 
     mu_a = v.positive("mu_a", mu_a)
     centre = trainer.scorer(fresh=False)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=trainer.device).manual_seed(seed)
     advs = []
     for s in range(0, x.shape[0], batch_size):
         xb = x[s:s + batch_size].to(trainer.device)
