@@ -13,7 +13,7 @@ from dpmech.dpal.trainer import DPALTrainer
 from dpmech.dpal.verify import conventional_accuracy_under_attack, verified_inference
 from dpmech.evaluation import metric_name
 from trainables.config import DPALTrialConfig
-from trainables.runtime import run_trial
+from trainables.runtime import TrainerMechanism, run_trial
 
 
 def dpal_config(cfg: DPALTrialConfig) -> DPALConfig:
@@ -25,31 +25,11 @@ def dpal_config(cfg: DPALTrialConfig) -> DPALConfig:
         theta1_bound=cfg.theta1_bound, seed=cfg.seed)
 
 
-class DPALMechanism:
+class DPALMechanism(TrainerMechanism):
     """Adapter from the trial config to ``dpmech.dpal.DPALTrainer``."""
 
     def __init__(self, cfg: DPALTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
         self.trainer = DPALTrainer(dpal_config(cfg), x, y, device=device)
-
-    @property
-    def model(self):
-        return self.trainer.model
-
-    @property
-    def epoch(self) -> int:
-        return self.trainer.epoch
-
-    def train_epoch(self):
-        return self.trainer.train_epoch()
-
-    def test_accuracy(self, x, y):
-        return self.trainer.accuracy(x, y)
-
-    def state_dict(self):
-        return self.trainer.state_dict()
-
-    def load_state_dict(self, state):
-        self.trainer.load_state_dict(state)
 
     def privacy(self):
         return {k: float(v) for k, v in self.trainer.privacy().items()}

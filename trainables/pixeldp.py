@@ -16,38 +16,18 @@ import torch
 from dpmech.certify import certify
 from dpmech.pixeldp import PixelDPConfig, PixelDPTrainer
 from trainables.config import PixelDPTrialConfig
-from trainables.runtime import run_trial
+from trainables.runtime import TrainerMechanism, run_trial
 
 _TRAINER_KEYS = ("dataset", "epsilon", "delta", "attack_bound", "norm", "noise_after", "epochs",
                  "batch_size", "lr", "optimizer", "weight_decay", "noise_ramp_epochs", "seed")
 
 
-class PixelDPMechanism:
+class PixelDPMechanism(TrainerMechanism):
     """Adapter from the trial config to ``dpmech.pixeldp.PixelDPTrainer``."""
 
     def __init__(self, cfg: PixelDPTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
         self.trainer = PixelDPTrainer(PixelDPConfig(**{k: getattr(cfg, k) for k in _TRAINER_KEYS}), x, y,
                                       device=device)
-
-    @property
-    def model(self):
-        return self.trainer.model
-
-    @property
-    def epoch(self) -> int:
-        return self.trainer.epoch
-
-    def train_epoch(self):
-        return self.trainer.train_epoch()
-
-    def test_accuracy(self, x, y):
-        return self.trainer.accuracy(x, y)
-
-    def state_dict(self):
-        return self.trainer.state_dict()
-
-    def load_state_dict(self, state):
-        self.trainer.load_state_dict(state)
 
     def privacy(self):
         g = self.trainer.guarantee()

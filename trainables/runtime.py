@@ -46,6 +46,33 @@ class Mechanism(Protocol):
     def certify(self, x: torch.Tensor, y: torch.Tensor, cfg: CommonConfig): ...
 
 
+class TrainerMechanism:
+    """Base of the mechanism adapters: delegates the training loop's needs to ``self.trainer``
+    (a dpmech trainer with ``model``, ``epoch``, ``train_epoch``, ``accuracy`` and state dicts)."""
+
+    trainer: Any
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.trainer.model
+
+    @property
+    def epoch(self) -> int:
+        return self.trainer.epoch
+
+    def train_epoch(self) -> dict[str, float]:
+        return self.trainer.train_epoch()
+
+    def test_accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        return self.trainer.accuracy(x, y)
+
+    def state_dict(self) -> dict:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trainer.load_state_dict(state)
+
+
 def validate_config(config: dict, schema: type[CommonConfig]) -> CommonConfig:
     """Validate a flat trial config; one-line ValueError naming the key on failure."""
     from trainables.dispatch import trial_config
