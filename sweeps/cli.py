@@ -14,6 +14,23 @@ from pathlib import Path
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 
 
+def _tool(name: str) -> str:
+    """How the user can call ``name`` (dpsweep, mlflow): bare if it is on PATH, else the
+    script next to this Python (e.g. .venv/bin/dpsweep when the venv is not activated)."""
+    import shutil
+
+    here = Path(sys.executable).parent / name
+    found = shutil.which(name)
+    if found and Path(found).resolve() == here.resolve():
+        return name
+    if here.exists():
+        try:
+            return str(here.relative_to(Path.cwd()))
+        except ValueError:
+            return str(here)
+    return name
+
+
 def _err(msg: str) -> None:
     print(f"dpsweep: error: {msg}", file=sys.stderr, flush=True)
 
@@ -124,10 +141,10 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, experime
     print()
     if failed:
         print(f"{failed} trial(s) failed after their retries; logs under {exp_dir}")
-    ui = f"mlflow ui --backend-store-uri {tracking_uri}" if tracking_uri.startswith("sqlite") else tracking_uri
-    print(f"report:   dpsweep report {experiment} --tracking-uri {tracking_uri} --out report/")
+    ui = f"{_tool('mlflow')} ui --backend-store-uri {tracking_uri}" if tracking_uri.startswith("sqlite") else tracking_uri
+    print(f"report:   {_tool('dpsweep')} report {experiment} --tracking-uri {tracking_uri} --out report/")
     print(f"MLflow:   {ui}")
-    print(f"resume:   dpsweep resume {exp_dir}")
+    print(f"resume:   {_tool('dpsweep')} resume {exp_dir}")
     return EXIT_FAILED if failed else EXIT_OK
 
 
