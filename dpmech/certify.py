@@ -243,16 +243,24 @@ def unit_gaussian_sigma(eps, delta, iters: int = 80):
     return np.exp(hi)
 
 
-def certified_size(lower_top, upper_other, *, noise_scale: float, sensitivity: float, norm: str):
+CALIBRATIONS = ("analytic", "classic")
+
+
+def certified_size(lower_top, upper_other, *, noise_scale: float, sensitivity: float, norm: str,
+                   calibration: str = "analytic"):
     """Largest attack size L' the PixelDP test certifies, per example (0 = not certified).
 
     l2 (Gaussian noise of std ``noise_scale``): for each delta' in ``DELTA_GRID`` take the
     largest eps' that passes Prop. 1; the noise is (eps', delta')-DP for attacks of size
-    L' = noise_scale / (sensitivity * s(eps', delta')) with s the exact unit calibration; the
-    certificate is the maximum over the grid.
+    L' = noise_scale / (sensitivity * s(eps', delta')); the certificate is the maximum over the
+    grid. ``calibration="analytic"`` (default): s is the exact unit calibration (Balle & Wang),
+    valid for every eps'. ``"classic"``: the reference implementation's reading,
+    s = sqrt(2 ln(1.25/delta')) / eps' with eps' capped at 1 (where that formula holds); it
+    never certifies more than the analytic one and reproduces the paper's procedure.
     l1 (Laplace noise of scale b): delta' = 0, eps' = ln(lower / upper) / 2, L' = b eps' / Delta.
     """
     norm = v.choice("norm", norm, ("l2", "l1"))
+    calibration = v.choice("calibration", calibration, CALIBRATIONS)
     noise_scale = v.positive("noise_scale", noise_scale)
     sensitivity = v.positive("sensitivity", sensitivity)
     lb = np.asarray(lower_top, dtype=np.float64)
@@ -266,7 +274,10 @@ def certified_size(lower_top, upper_other, *, noise_scale: float, sensitivity: f
         ok = eps > 0
         if not ok.any():
             continue
-        s = unit_gaussian_sigma(np.where(ok, eps, 1.0), d)
+        if calibration == "analytic":
+            s = unit_gaussian_sigma(np.where(ok, eps, 1.0), d)
+        else:
+            s = math.sqrt(2.0 * math.log(1.25 / d)) / np.where(ok, np.minimum(eps, 1.0), 1.0)
         size = np.where(ok, noise_scale / (sensitivity * s), 0.0)
         best = np.maximum(best, size)
     return best
@@ -308,7 +319,7 @@ class CertificationResult:
 
 def certify(model, x: torch.Tensor, y: torch.Tensor | np.ndarray, *, n: int = 1000, eta: float = 0.95,
             bounds: str = "argmax", batch_size: int = 4096, sensitivity: float | None = None,
-            index=None, progress=None) -> CertificationResult:
+            calibration: str = "analytic", index=None, progress=None) -> CertificationResult:
     """Certify every example of ``x`` (PixelDP Sec. 3.4 and Prop. 1).
 
     ``model`` is a ``PixelDPNet`` with its noise at full scale. ``sensitivity`` defaults to the
@@ -335,7 +346,8 @@ def certify(model, x: torch.Tensor, y: torch.Tensor | np.ndarray, *, n: int = 10
     lower, upper = _BOUND_FNS[bounds](est, eta)
     scores = est.counts if bounds == "argmax" else est.mean
     k, lb, ub = top_and_runner_up(lower, upper, scores)
-    size = certified_size(lb, ub, noise_scale=noise.scale, sensitivity=sensitivity, norm=model.norm)
+    size = certified_size(lb, ub, noise_scale=noise.scale, sensitivity=sensitivity, norm=model.norm,
+                          calibration=calibration)
     idx = np.arange(len(y)) if index is None else np.asarray(index)
     return CertificationResult(idx, y.astype(np.int64), k.astype(np.int64), lb, ub, size,
                                float(noise.scale), float(sensitivity), model.norm, n, eta, bounds)

@@ -185,3 +185,24 @@ def test_certify_validates_input():
         certify(model, x, y)
     with pytest.raises(ValueError, match="alpha"):
         clopper_pearson(3, 10, 0.0)
+
+
+def test_classic_calibration_never_certifies_more_and_matches_the_formula():
+    rng = np.random.default_rng(5)
+    lb = rng.uniform(0.3, 1.0, 500)
+    ub = rng.uniform(0.0, 0.5, 500)
+    kw = dict(noise_scale=0.25, sensitivity=1.0, norm="l2")
+    analytic = certified_size(lb, ub, **kw)
+    classic = certified_size(lb, ub, calibration="classic", **kw)
+    assert np.all(classic <= analytic + 1e-12) and (classic > 0).any()
+    # one example by hand: the best over the grid of sigma eps' / sqrt(2 ln(1.25/delta')), eps' <= 1
+    from dpmech.certify import DELTA_GRID
+
+    best = 0.0
+    for d in DELTA_GRID:
+        e = min(max_epsilon(lb[:1], ub[:1], d)[0], 1.0)
+        if e > 0:
+            best = max(best, 0.25 * e / math.sqrt(2 * math.log(1.25 / d)))
+    assert classic[0] == pytest.approx(best)
+    with pytest.raises(ValueError, match="calibration"):
+        certified_size(lb, ub, calibration="exact", **kw)

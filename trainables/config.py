@@ -74,6 +74,10 @@ class PixelDPTrialConfig(CommonConfig):
     optimizer: Literal["adam", "sgd"] = Field("adam", description="optimizer")
     weight_decay: float = Field(0.0, ge=0, description="L2 weight decay")
     noise_ramp_epochs: float = Field(0.0, ge=0, description="linear ramp of the noise from 0 to full over this many epochs")
+    certify_calibration: Literal["analytic", "classic"] = Field(
+        "analytic", description="certified-size search: exact Gaussian calibration, or the reference's classic formula with eps' <= 1")
+    certify_exact_sensitivity: bool = Field(
+        True, description="correct the certified size with the measured pre-noise sensitivity (False: the construction bound 1, as the paper)")
 
 
 class DPALTrialConfig(CommonConfig):

@@ -35,7 +35,9 @@ class PixelDPMechanism(TrainerMechanism):
                 "sensitivity": g["sensitivity"]}
 
     def certify(self, x, y, cfg):
-        return certify(self.model, x, y, n=cfg.certify_n, eta=cfg.certify_eta, bounds=cfg.certify_bounds)
+        sensitivity = None if cfg.certify_exact_sensitivity else self.model.sensitivity_bound()
+        return certify(self.model, x, y, n=cfg.certify_n, eta=cfg.certify_eta, bounds=cfg.certify_bounds,
+                       sensitivity=sensitivity, calibration=cfg.certify_calibration)
 
 
 def pixeldp(config: dict) -> None:
