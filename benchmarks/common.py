@@ -12,6 +12,11 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def log(msg: str) -> None:
+    """Print a progress line at once (benchmarks run for minutes)."""
+    print(msg, flush=True)
+
+
 def device_description(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda: {torch.cuda.get_device_name(device)}"

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, write_result  # noqa: E402
+from benchmarks.common import environment, log, write_result  # noqa: E402
 from dpmech.attacks import attack  # noqa: E402
 from dpmech.data import load_splits  # noqa: E402
 from dpmech.dpal import DPALConfig, DPALTrainer, NonPrivateNet, certified_accuracy, verified_inference  # noqa: E402
@@ -52,10 +52,6 @@ CERT_SIZES = (0.05, 0.1, 0.2, 0.3, 0.6)
 MU_CONV = 0.2
 PSI_SWEEP = (2.0, 10.0, 100.0, 1000.0)   # Appendix L's psi: fresh inference noise b / psi
 PAPER = {"conv_acc_avg_eps_0.2": 0.827, "conv_acc_avg_eps_2": 0.8959, "cert_acc_0.05": 0.8429, "cert_acc_0.6": 0.7241}
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
 
 
 def craft(trainer: DPALTrainer, x: torch.Tensor, name: str, size: float, seed: int, batch_size: int = 500):
