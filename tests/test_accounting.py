@@ -1,0 +1,107 @@
+"""dpmech.accounting: the ledger's epsilon against two independent accountants, and the privacy
+cost of hyperparameter tuning (Papernot & Steinke 2022) against dp-accounting's published values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from dp_accounting import dp_event as dpe
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from dpmech.accounting import (PrivacyLedger, epsilon, noise_multiplier_for, repeat_and_select_epsilon,
+                               subsampled_gaussian_event, tuning_shape)
+
+
+def test_ledger_rdp_epsilon_agrees_with_opacus_and_dp_accounting():
+    from opacus.accountants import RDPAccountant
+
+    ledger = PrivacyLedger()
+    for _ in range(3):  # recorded in pieces, merged into one phase
+        ledger.record(0.04, 1.5, 750)
+    assert len(ledger.entries) == 1 and ledger.steps == 2250
+    ours = ledger.epsilon(1e-5, "rdp")
+
+    opacus_acc = RDPAccountant()
+    opacus_acc.history = [(1.5, 0.04, 2250)]
+    theirs_opacus = opacus_acc.get_epsilon(delta=1e-5)
+    dpa = rdp_privacy_accountant.RdpAccountant()  # dp-accounting's own default orders
+    dpa.compose(dpe.SelfComposedDpEvent(dpe.PoissonSampledDpEvent(0.04, dpe.GaussianDpEvent(1.5)), 2250))
+    theirs_dpa = dpa.get_epsilon(1e-5)
+
+    assert ours == pytest.approx(7.329, abs=0.01)
+    assert abs(ours - theirs_opacus) < 0.01 and abs(ours - theirs_dpa) < 0.01
+    pld = ledger.epsilon(1e-5, "pld")
+    assert pld < ours and pld == pytest.approx(6.769, abs=0.01)
+
+
+def test_ledger_phases_compose_and_round_trip():
+    a = PrivacyLedger()
+    a.record(0.01, 1.0, 100)
+    a.record(0.02, 1.0, 50)
+    b = PrivacyLedger()
+    b.load_state_dict(a.state_dict())
+    assert a == b and len(a.entries) == 2
+    one_phase = PrivacyLedger()
+    one_phase.record(0.01, 1.0, 100)
+    assert a.epsilon(1e-5) > one_phase.epsilon(1e-5)  # more steps cost more
+
+
+def test_no_noise_is_infinite_and_empty_ledger_is_free():
+    ledger = PrivacyLedger()
+    assert ledger.epsilon(1e-5) == 0.0
+    ledger.record(0.1, 0.0, 10)
+    assert math.isinf(ledger.epsilon(1e-5))
+
+
+def test_noise_multiplier_calibration_meets_the_target():
+    from opacus.accountants.utils import get_noise_multiplier
+
+    sigma = noise_multiplier_for(2.0, 1e-5, 256 / 60000, 2000)
+    eps = epsilon(subsampled_gaussian_event(256 / 60000, sigma, 2000), 1e-5)
+    assert eps <= 2.0 and eps > 1.98
+    theirs = get_noise_multiplier(target_epsilon=2.0, target_delta=1e-5, sample_rate=256 / 60000, steps=2000,
+                                  accountant="rdp", epsilon_tolerance=0.001)
+    assert sigma == pytest.approx(theirs, rel=0.01)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(sampling_rate=0.0, noise_multiplier=1.0), "sampling_rate"),
+    (dict(sampling_rate=1.5, noise_multiplier=1.0), "sampling_rate"),
+    (dict(sampling_rate=0.1, noise_multiplier=-1.0), "noise_multiplier"),
+])
+def test_ledger_refuses_bad_entries(bad, match):
+    with pytest.raises(ValueError, match=match):
+        PrivacyLedger().record(**bad)
+
+
+# Papernot & Steinke (2022): one DP-SGD run (q = 256/50000, sigma = 1.1, 5,850 steps) has epsilon
+# 1.989 at delta 1e-5; the best of K runs with E[K] = 20 costs (dp-accounting's RDP accountant):
+TUNED = {"logarithmic": (None, 3.572), "geometric": (None, 4.317), "poisson": (None, 6.590),
+         "truncated_negative_binomial": (0.5, 3.961)}
+
+
+def test_single_run_reference_epsilon():
+    assert epsilon(subsampled_gaussian_event(256 / 50000, 1.1, 5850), 1e-5) == pytest.approx(1.989, abs=0.005)
+
+
+@pytest.mark.parametrize("distribution", list(TUNED))
+def test_repeat_and_select_matches_dp_accounting(distribution):
+    shape, expected = TUNED[distribution]
+    event = subsampled_gaussian_event(256 / 50000, 1.1, 5850)
+    ours = repeat_and_select_epsilon(event, 1e-5, distribution, 20, shape)
+    assert ours == pytest.approx(expected, abs=0.01)
+    # independently: dp-accounting's default orders on the same event
+    acc = rdp_privacy_accountant.RdpAccountant()
+    acc.compose(dpe.RepeatAndSelectDpEvent(event, 20.0, tuning_shape(distribution, shape)))
+    assert abs(ours - acc.get_epsilon(1e-5)) < 0.02
+    # more trials on average cost more
+    assert repeat_and_select_epsilon(event, 1e-5, distribution, 40, shape) > ours
+    assert repeat_and_select_epsilon(event, 1e-5, distribution, 5, shape) < ours
+
+
+def test_tuning_shape_rules():
+    with pytest.raises(ValueError, match="tuning_privacy.distribution"):
+        tuning_shape("uniform")
+    with pytest.raises(ValueError, match="tuning_privacy.shape"):
+        tuning_shape("truncated_negative_binomial", None)
