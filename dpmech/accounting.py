@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 from dp_accounting import dp_event as dpe
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
@@ -148,30 +149,21 @@ def noise_multiplier_for(target_epsilon: float, delta: float, sampling_rate: flo
     return hi
 
 
-# Private hyperparameter selection (Papernot & Steinke 2022, "Hyperparameter tuning with Renyi
-# differential privacy"): the number of trials K is random; the shape parameter of
-# dp-accounting's RepeatAndSelectDpEvent selects its distribution.
-TUNING_SHAPES = {"poisson": math.inf, "geometric": 1.0, "logarithmic": 0.0}
-
-
-def tuning_shape(distribution: str, shape: float | None = None) -> float:
-    """dp-accounting's ``shape`` for a distribution of the number of trials."""
-    if distribution in TUNING_SHAPES:
-        return TUNING_SHAPES[distribution]
-    if distribution == "truncated_negative_binomial":
-        if shape is None or not (0 < shape < math.inf) or shape == 1:
-            raise ValueError("tuning_privacy.shape: the truncated negative binomial needs 0 < shape < inf, shape != 1")
-        return float(shape)
-    raise ValueError(f"tuning_privacy.distribution: unknown {distribution!r}; known: "
-                     f"{', '.join([*TUNING_SHAPES, 'truncated_negative_binomial'])}")
-
-
-def repeat_and_select_epsilon(event: dpe.DpEvent, delta: float, distribution: str, mean: float,
-                              shape: float | None = None) -> float:
-    """End-to-end epsilon of running a random number K of trials (E[K] = ``mean``), each
-    ``event``, and releasing only the best (Papernot & Steinke 2022, Thms 2-6; RDP accounting)."""
-    positive("tuning_privacy.mean", mean)
+def rdp_curve(event: dpe.DpEvent) -> np.ndarray:
+    """The RDP curve of ``event`` at :data:`RDP_ORDERS` (inf everywhere for a non-private event)."""
     if _non_private(event):
-        return math.inf
-    rs = dpe.RepeatAndSelectDpEvent(event, float(mean), tuning_shape(distribution, shape))
-    return epsilon(rs, delta, "rdp")
+        return np.full(len(RDP_ORDERS), np.inf)
+    acc = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS))
+    acc.compose(event)
+    return np.asarray(acc._rdp, dtype=np.float64)  # noqa: SLF001 - the accountant's curve at our orders
+
+
+def rdp_epsilon(rdp: np.ndarray, delta: float) -> float:
+    """Epsilon at ``delta`` of an RDP curve at :data:`RDP_ORDERS` (Canonne, Kamath & Steinke 2020 conversion)."""
+    open_unit("delta", delta)
+    if not np.all(np.isfinite(rdp)):
+        finite = np.isfinite(rdp)
+        if not finite.any():
+            return math.inf
+        return float(rdp_privacy_accountant.compute_epsilon(np.asarray(RDP_ORDERS)[finite], rdp[finite], delta)[0])
+    return float(rdp_privacy_accountant.compute_epsilon(list(RDP_ORDERS), rdp, delta)[0])
