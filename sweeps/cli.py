@@ -88,7 +88,20 @@ def cmd_run(args) -> int:
 
     tracking_uri = resolve_tracking_uri(args.tracking_uri, spec.mlflow.tracking_uri)
     storage = _storage_path(args.storage, spec.storage)
-    total = len(trials) if trials else spec.search.num_samples
+    total = len(trials) if spec.search.algorithm != "optuna" else spec.search.num_samples
+    tuning = None
+    if spec.tuning_privacy is not None:
+        from sweeps.tuning import tuning_summary
+
+        try:
+            tuning = tuning_summary(spec, len(trials))
+        except (SpecError, ValueError) as exc:
+            _err(str(exc))
+            return EXIT_INVALID
+        tp = spec.tuning_privacy
+        print(f"tuning privacy: K = {len(trials)} trials drawn ({tp.distribution}, mean {tp.mean:g}); only the best "
+              f"by {spec.search.metric} is released; end-to-end epsilon {tuning['tuning_epsilon']:.4g} at delta "
+              f"{tuning['tuning_delta']:.3g} (one trial: at most {tuning['trial_epsilon_worst']:.4g})", flush=True)
     print(f"sweep {spec.name}: {total} trials of {', '.join(t.name for t in spec.trainables)}; "
           f"storage {storage}; MLflow {tracking_uri}", flush=True)
     if args.dry_run:
@@ -120,21 +133,38 @@ def cmd_run(args) -> int:
     if "://" not in storage:
         save_state(Path(exp_dir), {"spec": spec.raw, "mlflow": info, "run_name": run_name, "total": total})
     print(f"experiment {exp_dir}; MLflow parent run {info['parent_run_id']}", flush=True)
+    if total == 0:  # tuning_privacy drew K = 0 (Poisson): nothing runs, nothing is released
+        from sweeps.tracking import finish_parent_run, record_selection
+
+        record_selection(info, spec, [], tuning)
+        finish_parent_run(info, {"trials": 0.0, "trials_failed": 0.0}, "FINISHED")
+        print("K = 0 trials drawn: nothing ran and nothing is released (the guarantee holds trivially)")
+        return EXIT_OK
     tuner = build_tuner(spec, storage=storage, run_name=run_name, mlflow_info=info, param_space=param_space,
                         total=total)
-    return _fit_and_finish(tuner, info, exp_dir, tracking_uri, spec.mlflow.experiment or spec.name)
+    return _fit_and_finish(tuner, info, exp_dir, tracking_uri, spec)
 
 
-def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, experiment: str) -> int:
+def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec) -> int:
     from sweeps.runner import format_table, summarize
-    from sweeps.tracking import finish_parent_run
+    from sweeps.tracking import finish_parent_run, record_selection
 
+    experiment = spec.mlflow.experiment or spec.name
     try:
         results = tuner.fit()
     except KeyboardInterrupt:
         _err(f"interrupted; continue with: dpsweep resume {exp_dir}")
         return EXIT_FAILED
-    rows, summary, failed = summarize(results)
+    rows, summary, failed = summarize(results, extra_metrics=[spec.search.metric] if spec.search.metric else [])
+    tuning = None
+    if spec.tuning_privacy is not None:
+        from sweeps.tuning import tuning_summary
+
+        tuning = tuning_summary(spec, len(rows))
+    released = record_selection(info, spec, rows, tuning)
+    if released is not None:
+        print(f"released: trial {released.get('trial_id', '?')} with {spec.search.metric} = "
+              f"{released[spec.search.metric]:.4g} (the only output covered by the end-to-end guarantee)")
     finish_parent_run(info, summary, "FAILED" if failed else "FINISHED")
     print()
     print(format_table(rows))
@@ -167,7 +197,7 @@ def cmd_resume(args) -> int:
     tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, restart_errored=True)
     info = state["mlflow"]
     print(f"resuming {exp_dir}; MLflow parent run {info['parent_run_id']}", flush=True)
-    return _fit_and_finish(tuner, info, str(exp_dir), info["tracking_uri"], spec.mlflow.experiment or spec.name)
+    return _fit_and_finish(tuner, info, str(exp_dir), info["tracking_uri"], spec)
 
 
 def cmd_report(args) -> int:

@@ -126,8 +126,9 @@ def load_state(experiment_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def summarize(result_grid) -> tuple[list[dict], dict[str, float], int]:
-    """Rows of final metrics per trial, the sweep's privacy summary, and the failure count."""
+def summarize(result_grid, extra_metrics=()) -> tuple[list[dict], dict[str, float], int]:
+    """Rows of final metrics per trial (accuracies, epsilon, delta and ``extra_metrics``), the
+    sweep's privacy summary, and the failure count."""
     from trainables.dispatch import trial_config
 
     rows, failed = [], 0
@@ -139,7 +140,7 @@ def summarize(result_grid) -> tuple[list[dict], dict[str, float], int]:
             if k in cfg:
                 row[f"cfg.{k}"] = cfg[k]
         for k, val in m.items():
-            if k.startswith(("acc_", "cert_acc_")) or k in ("epsilon", "delta"):
+            if k.startswith(("acc_", "cert_acc_")) or k in ("epsilon", "delta", *extra_metrics):
                 row[k] = val
         row["status"] = "ERROR" if r.error else ("DONE" if m.get("evaluated") else "STOPPED")
         failed += int(r.error is not None)

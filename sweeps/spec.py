@@ -132,8 +132,19 @@ class FailureSection(_Section):
     max_retries: int = Field(0, ge=0, description="retries of a failed trial, from its last checkpoint")
 
 
+class TuningPrivacySection(_Section):
+    """Private hyperparameter selection (sweeps/tuning.py, docs/tuning_privacy.md)."""
+
+    distribution: Literal["poisson", "geometric", "logarithmic", "truncated_negative_binomial"] = Field(
+        description="distribution of the number of trials K (Papernot & Steinke 2022)")
+    mean: float = Field(ge=1, allow_inf_nan=False, description="E[K], the expected number of trials")
+    shape: float | None = Field(None, gt=0, allow_inf_nan=False, description="eta of the truncated negative binomial")
+    delta: float | None = Field(None, gt=0, lt=1, description="delta of the end-to-end guarantee "
+                                                              "(default: the largest per-trial delta)")
+
+
 _OPTIONAL = ("description", "storage", "mlflow", "common", "search", "scheduler", "resources",
-             "max_concurrent_trials", "failure")
+             "max_concurrent_trials", "failure", "tuning_privacy")
 
 
 class SweepSpec(_Section):
@@ -151,6 +162,7 @@ class SweepSpec(_Section):
     resources: ResourcesSection = Field(default_factory=ResourcesSection)
     max_concurrent_trials: int | None = Field(None, ge=1)
     failure: FailureSection = Field(default_factory=FailureSection)
+    tuning_privacy: TuningPrivacySection | None = None
 
     _raw: dict | None = PrivateAttr(None)
     _spaces: tuple[TrainableSpace, ...] | None = PrivateAttr(None)
@@ -373,7 +385,12 @@ def _build_spaces(spec: SweepSpec) -> tuple[TrainableSpace, ...]:
 def _trials(spec: SweepSpec) -> list[dict]:
     """The cached expansion of a grid/random spec (computed once; validated specs are frozen)."""
     if spec._trials is None:
-        spec._trials = expand(spec.spaces, spec.search.num_samples, spec.search.seed)
+        n = spec.search.num_samples
+        if spec.tuning_privacy is not None:
+            from sweeps.tuning import draw_k
+
+            n = draw_k(spec)  # K trials, each drawn independently from the spec's distributions
+        spec._trials = expand(spec.spaces, n, spec.search.seed)
     return spec._trials
 
 
@@ -403,7 +420,15 @@ def validate_spec(raw: dict) -> SweepSpec:
     _check_search(spec)
     _check_scheduler(spec)
     _check_resources(spec)
+    if spec.tuning_privacy is not None:
+        from sweeps.tuning import check_tuning_spec
+
+        check_tuning_spec(spec)
     spec._spaces = _build_spaces(spec)
+    if spec.tuning_privacy is not None:
+        from sweeps.tuning import check_tuning_space
+
+        check_tuning_space(spec)
     if spec.search.algorithm == "optuna":
         for space in spec.spaces:
             space.probes()  # the combinations validate (model-level rules)

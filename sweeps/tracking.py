@@ -87,3 +87,66 @@ def finish_parent_run(info: dict, summary: dict[str, float], status: str) -> Non
     if metrics:
         retry(lambda: client.log_batch(info["parent_run_id"], metrics=metrics), what="log_batch(summary)")
     retry(lambda: client.set_terminated(info["parent_run_id"], status=status), what="set_terminated")
+
+
+SELECTION_NOT_COVERED = ("not covered: choosing among the trials (the best of {n}) is not covered by any privacy "
+                         "guarantee; each trial's epsilon holds for that trial alone (use tuning_privacy)")
+
+
+def record_selection(info: dict, spec, rows: list[dict], tuning: dict[str, float] | None) -> dict | None:
+    """Record on the parent run what the sweep's selection among trials costs.
+
+    Without ``tuning_privacy``: a tag stating plainly that the selection is not covered. With it:
+    the end-to-end guarantee (``tuning_epsilon`` at ``tuning_delta``, K, the worst per-trial
+    epsilon) and the released trial: ``released_<metric>``, tags ``dpsweep.released_trial_id`` /
+    ``dpsweep.released_run_id``, and its model copied to ``released/``. Returns the released row.
+    """
+    from mlflow.entities import Metric, RunTag
+    from mlflow.tracking import MlflowClient
+    import time
+
+    from sweeps.tuning import best_row
+
+    client = MlflowClient(info["tracking_uri"])
+    run_id = info["parent_run_id"]
+    ts = int(time.time() * 1000)
+    if tuning is None:
+        tag = RunTag("dpsweep.selection_privacy", SELECTION_NOT_COVERED.format(n=len(rows)))
+        retry(lambda: client.log_batch(run_id, tags=[tag]), what="log_batch(selection tag)")
+        return None
+    tp = spec.tuning_privacy
+    tags = [RunTag("dpsweep.selection_privacy",
+                   f"tuning_privacy: {tp.distribution}, mean {tp.mean:g}; only the released trial is covered by "
+                   f"the end-to-end epsilon {tuning['tuning_epsilon']:.4g} at delta {tuning['tuning_delta']:.3g}")]
+    metrics = [Metric(k, float(v), ts, 0) for k, v in tuning.items()]
+    best = best_row(rows, spec.search.metric, spec.search.mode)
+    if best is not None:
+        metrics.append(Metric(f"released_{spec.search.metric}", float(best[spec.search.metric]), ts, 0))
+        tags.append(RunTag("dpsweep.released_trial_id", str(best.get("trial_id", ""))))
+        child = _child_run(client, info, str(best.get("trial_id", "")))
+        if child is not None:
+            tags.append(RunTag("dpsweep.released_run_id", child))
+            retry(lambda: client.set_tag(child, "dpsweep.released", "true"), what="set_tag(released)")
+            _copy_model(client, child, run_id)
+    retry(lambda: client.log_batch(run_id, metrics=metrics, tags=tags), what="log_batch(tuning privacy)")
+    return best
+
+
+def _child_run(client, info: dict, trial_id: str) -> str | None:
+    if not trial_id:
+        return None
+    runs = retry(lambda: client.search_runs(
+        [info["experiment_id"]],
+        filter_string=f"tags.mlflow.parentRunId = '{info['parent_run_id']}' and tags.`dpsweep.trial_id` = '{trial_id}'",
+        max_results=5), what="search_runs(released)")
+    return runs[0].info.run_id if runs else None
+
+
+def _copy_model(client, child: str, parent: str) -> None:
+    """The released trial's model, as the sweep's output (``released/weights.pt`` on the parent)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(child, "model/weights.pt", tmp)
+        except Exception:  # noqa: BLE001 - a trainable without a model artifact releases its score only
+            return
+        retry(lambda: client.log_artifact(parent, path, "released"), what="log_artifact(released model)")

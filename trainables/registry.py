@@ -20,11 +20,26 @@ class TrainableEntry:
     target: str                    # "module:function" of the Ray Tune function trainable
     config_model: type[CommonConfig]
     description: str
+    # "module:function" mapping a validated config to the dp-accounting DpEvent of one trial (its
+    # guarantee for the training examples, planned from the config); None: the trainable has no
+    # such guarantee (tuning_privacy refuses it). privacy_keys: the config keys that change it.
+    privacy_event: str | None = None
+    privacy_keys: tuple[str, ...] = ()
 
     @property
     def fn(self) -> Callable[[dict], None]:
-        module, func = self.target.split(":")
-        return getattr(importlib.import_module(module), func)
+        return _resolve(self.target)
+
+    @property
+    def privacy_event_fn(self) -> Callable:
+        if self.privacy_event is None:
+            raise ValueError(f"trainable {self.name!r} has no per-trial privacy event")
+        return _resolve(self.privacy_event)
+
+
+def _resolve(target: str):
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
 
 
 REGISTRY: dict[str, TrainableEntry] = {

@@ -1,0 +1,156 @@
+"""Private hyperparameter selection for a sweep (spec key ``tuning_privacy``; docs/tuning_privacy.md).
+
+Under ``tuning_privacy: {distribution, mean, shape, delta}`` a sweep is Papernot & Steinke's
+(2022) procedure, and dpsweep enforces every condition their theorem needs:
+
+* the number of trials K is drawn from the distribution (seeded by ``search.seed``), before
+  anything runs, independently of the data;
+* each trial draws its hyperparameters independently from the spec's distributions: random
+  search over one trainable, no grid dimension (a grid is not a distribution), no adaptive
+  searcher (Optuna) and no early stopping (ASHA): those make a trial depend on the others'
+  results, which the guarantee does not cover;
+* only the best trial (by ``search.metric``/``search.mode``) is released: the parent run records
+  its score, its model and a pointer to it; the other trials are working state;
+* the end-to-end (epsilon, delta) comes from the order-wise worst RDP curve over every
+  configuration the search could draw (``dpmech.tuning.worst_case_rdp``), so privacy-relevant
+  keys (the trainable's ``privacy_keys``) may be fixed or drawn from a finite ``choice`` only.
+
+This module checks the spec and computes the numbers; it does not import Ray or MLflow.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sweeps.spec_space import RANGES, SpecError
+
+if TYPE_CHECKING:
+    from sweeps.spec import SweepSpec
+
+MAX_PRIVACY_CONFIGS = 2000
+K_STREAM = 0x7D9  # the stream of search.seed that draws K (trial draws use the plain seed)
+
+
+def draw_k(spec: "SweepSpec") -> int:
+    """The number of trials of a tuning-private sweep: a fixed function of ``search.seed``."""
+    from dpmech.tuning import draw_num_trials
+
+    tp = spec.tuning_privacy
+    rng = np.random.default_rng([spec.search.seed, K_STREAM])
+    return draw_num_trials(tp.distribution, tp.mean, tp.shape, rng=rng)
+
+
+def check_tuning_spec(spec: "SweepSpec") -> None:
+    """The rules of Papernot & Steinke's procedure (module docstring) on the spec's sections,
+    checked before the trainables' spaces are built; SpecError names the key."""
+    from dpmech.tuning import tuning_shape
+
+    tp = spec.tuning_privacy
+    try:
+        if tp.distribution != "truncated_negative_binomial" and tp.shape is not None:
+            raise ValueError(f"tuning_privacy.shape: only the truncated negative binomial has a shape "
+                             f"({tp.distribution} is fixed)")
+        tuning_shape(tp.distribution, tp.shape)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
+    s = spec.search
+    if s.algorithm == "grid":
+        raise SpecError("search.algorithm: tuning_privacy needs random search: a grid runs a fixed list of "
+                        "configurations, but the guarantee needs a random number of independently drawn trials")
+    if s.algorithm == "optuna":
+        raise SpecError("search.algorithm: tuning_privacy needs random search: an adaptive searcher (optuna) picks "
+                        "each trial from earlier results, which the guarantee does not cover")
+    if spec.scheduler.type != "none":
+        raise SpecError(f"scheduler.type: tuning_privacy refuses {spec.scheduler.type}: early stopping (ASHA, PBT) "
+                        "makes trials depend on each other's results, which the guarantee does not cover")
+    if s.num_samples != 1:
+        raise SpecError("search.num_samples: with tuning_privacy the number of trials is drawn from "
+                        "tuning_privacy.distribution; leave num_samples at 1")
+    if s.metric is None:
+        raise SpecError("search.metric: required with tuning_privacy (with search.mode): it selects the one "
+                        "trial that is released")
+    if len(spec.trainables) != 1:
+        raise SpecError(f"trainables: tuning_privacy tunes one trainable, got {len(spec.trainables)}")
+
+
+def check_tuning_space(spec: "SweepSpec") -> None:
+    """The rules on the trainable and its search space (after the space is validated)."""
+    from trainables.registry import get_trainable
+
+    name = spec.trainables[0].name
+    entry = get_trainable(name)
+    if entry.privacy_event is None:
+        raise SpecError(f"trainables[0].name: {name} has no per-trial privacy guarantee for its training examples "
+                        f"that tuning_privacy could compose; trainables that have one: {', '.join(_eligible())}")
+    for dim in spec.spaces[0].dims:
+        if dim.kind == "grid":
+            raise SpecError(f"{dim.path}: a grid is not allowed with tuning_privacy (each trial draws its values "
+                            "independently); write {choice: [...]} instead")
+        if dim.kind in RANGES and dim.key in entry.privacy_keys:
+            raise SpecError(f"{dim.path}: {dim.key} changes the per-trial privacy guarantee; with tuning_privacy "
+                            "draw it from a finite {choice: [...]} so the worst case over the search space is exact")
+
+
+def _eligible() -> list[str]:
+    from trainables.registry import REGISTRY
+
+    return [n for n, e in REGISTRY.items() if e.privacy_event is not None] or ["(none registered)"]
+
+
+def privacy_configs(spec: "SweepSpec") -> list[dict]:
+    """Every configuration of the search space that differs in a privacy-relevant key (the
+    product of their choices; other keys at their first value), validated by the schema."""
+    from trainables.registry import get_trainable
+
+    space = spec.spaces[0]
+    keys = get_trainable(space.name).privacy_keys
+    base = {d.key: d.values[0] for d in space.dims}
+    varying = [d for d in space.dims if d.kind == "choice" and d.key in keys]
+    combos = list(itertools.islice(itertools.product(*(d.values for d in varying)), MAX_PRIVACY_CONFIGS + 1))
+    if len(combos) > MAX_PRIVACY_CONFIGS:
+        raise SpecError(f"trainables[0].search: more than {MAX_PRIVACY_CONFIGS} privacy-relevant combinations "
+                        f"({', '.join(d.key for d in varying)}); narrow the choices")
+    return [space.config({**base, **{d.key: v for d, v in zip(varying, combo)}}, "privacy configuration")
+            for combo in combos]
+
+
+def tuning_summary(spec: "SweepSpec", k: int) -> dict[str, float]:
+    """The numbers the parent run records: K, the worst per-trial epsilon and the end-to-end
+    epsilon at ``tuning_privacy.delta`` (default: the largest per-trial delta in the space)."""
+    from dpmech.accounting import rdp_epsilon
+    from dpmech.tuning import tuning_epsilon, worst_case_rdp
+    from trainables.registry import get_trainable
+
+    tp = spec.tuning_privacy
+    entry = get_trainable(spec.trainables[0].name)
+    configs = privacy_configs(spec)
+    schema = entry.config_model
+    events, deltas = [], []
+    for c in configs:
+        cfg = schema(**{k_: v for k_, v in c.items() if k_ != "trainable"})
+        events.append(entry.privacy_event_fn(cfg))
+        if "delta" in c:
+            deltas.append(float(c["delta"]))
+    delta = tp.delta if tp.delta is not None else (max(deltas) if deltas else 1e-5)
+    worst = worst_case_rdp(events)
+    return {
+        "tuning_trials": float(k),
+        "tuning_mean": float(tp.mean),
+        "tuning_delta": float(delta),
+        "trial_epsilon_worst": rdp_epsilon(worst, delta),
+        "tuning_epsilon": tuning_epsilon(worst, delta, tp.distribution, tp.mean, tp.shape),
+        "tuning_configs": float(len(configs)),
+    }
+
+
+def best_row(rows: list[dict], metric: str, mode: str) -> dict | None:
+    """The trial released by a tuning-private sweep: the best finished trial by the metric."""
+    done = [r for r in rows if r.get("status") == "DONE" and isinstance(r.get(metric), (int, float))
+            and math.isfinite(r[metric])]
+    if not done:
+        return None
+    return (max if mode == "max" else min)(done, key=lambda r: r[metric])
