@@ -31,6 +31,16 @@ def _tool(name: str) -> str:
     return name
 
 
+def _sizes(text: str) -> list[float]:
+    try:
+        sizes = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sizes: comma-separated numbers, got {text!r}") from None
+    if not sizes or any(not (0 <= s < float("inf")) for s in sizes):
+        raise argparse.ArgumentTypeError(f"--sizes: finite sizes >= 0, got {text!r}")
+    return sizes
+
+
 def _err(msg: str) -> None:
     print(f"dpsweep: error: {msg}", file=sys.stderr, flush=True)
 
@@ -206,7 +216,7 @@ def cmd_report(args) -> int:
 
     uri = resolve_tracking_uri(args.tracking_uri, None)
     try:
-        out = make_report(args.experiment, uri, Path(args.out))
+        out = make_report(args.experiment, uri, Path(args.out), sizes=args.sizes, parent_run_id=args.run)
     except ValueError as exc:
         _err(str(exc))
         return EXIT_INVALID
@@ -243,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("experiment", help="MLflow experiment name")
     rep.add_argument("--tracking-uri", default=None)
     rep.add_argument("--out", default="report")
+    rep.add_argument("--sizes", type=_sizes, default=None,
+                     help="attack sizes for the certified-accuracy table, e.g. 0.05,0.3 (from the per-example tables)")
+    rep.add_argument("--run", default=None, help="the sweep's parent run id (default: the latest sweep)")
     rep.set_defaults(fn=cmd_report)
     return ap
 

@@ -1,178 +1,191 @@
-"""``dpsweep report``: the trade-offs of a sweep, read back from MLflow.
+"""``dpsweep report``: the trade-offs of a sweep, read back from MLflow, on one summary page.
 
-Writes to ``--out`` (and logs to the sweep's parent run under ``report/``):
+Writes to ``--out`` and logs to the sweep's parent run under ``report/``:
 
-* ``trials.csv`` and a Markdown table of every trial's configuration and final metrics;
-* ``accuracy_vs_epsilon.png``: conventional accuracy (clean and under each attack) against the
-  trial's epsilon, one marker per mechanism;
-* ``cert_acc_vs_size.png``: certified accuracy against attack size, one curve per trial,
-  coloured by mechanism;
-* ``report.md`` tying them together.
+* ``report.md``: the summary page — the privacy of the sweep (per-trial epsilon, and either the
+  end-to-end epsilon of a ``tuning_privacy`` sweep with the released trial, or a plain statement
+  that the selection among trials is not covered), empirical audits beside the claimed epsilon,
+  the trials table, certified accuracy at the asked sizes, and every figure below;
+* ``trials.csv`` (every trial's parameters and final metrics) and ``certified_accuracy.csv``
+  (certified accuracy at ``--sizes``, computed from the per-example tables);
+* ``pareto_accuracy.png`` / ``pareto_certified.png``: epsilon against conventional and certified
+  accuracy, per mechanism, with each mechanism's Pareto front;
+* ``cert_acc_vs_size.png`` (and ``smooth_cert_acc_vs_size.png``): certified accuracy against the
+  attack size from the per-example tables, one curve per trial;
+* the layouts of the DPAL paper's figures when the sweep has their data: ``fig2_accuracy_vs_epsilon.png``,
+  ``fig4_accuracy_vs_attack_size.png``, ``fig6_certified_vs_attack_size.png``;
+* mechanism-specific figures (label DP's accuracy and MSE against epsilon).
 """
 
 from __future__ import annotations
 
-import csv
 import math
-import re
 from pathlib import Path
 
-from trainables.tracking import TAG_PARENT, TAG_TRAINABLE, retry
+from sweeps import report_plots as rp
+from sweeps.report_data import Sweep, load_sweep, load_tables
+from trainables.tracking import retry
 
-_CERT = re.compile(r"^cert_acc_([0-9.eE+-]+)$")
-
-
-def _latest_sweep(client, exp_id: str):
-    runs = retry(lambda: client.search_runs([exp_id], filter_string="tags.`dpsweep.kind` = 'sweep'",
-                                            order_by=["attributes.start_time DESC"], max_results=1),
-                 what="search_runs")
-    return runs[0] if runs else None
-
-
-def load_trials(experiment: str, tracking_uri: str):
-    """(parent run, list of child runs) of the latest sweep in ``experiment``."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri)
-    exp = retry(lambda: client.get_experiment_by_name(experiment), what="get_experiment_by_name")
-    if exp is None:
-        raise ValueError(f"experiment: no MLflow experiment named {experiment!r} at {tracking_uri}")
-    parent = _latest_sweep(client, exp.experiment_id)
-    if parent is None:
-        raise ValueError(f"experiment: {experiment!r} holds no dpsweep sweep run")
-    flt = f"tags.`{TAG_PARENT}` = '{parent.info.run_id}'"
-    children = retry(lambda: client.search_runs([exp.experiment_id], filter_string=flt, max_results=10000),
-                     what="search_runs")
-    return client, parent, children
-
-
-def _rows(children) -> list[dict]:
-    rows = []
-    for run in sorted(children, key=lambda r: r.info.start_time or 0):
-        p, m = run.data.params, run.data.metrics
-        row = {"run": run.info.run_name or run.info.run_id[:8], "trainable": run.data.tags.get(TAG_TRAINABLE, ""),
-               "status": run.info.status}
-        for k in ("epsilon", "delta", "attack_bound", "psi", "norm", "seed"):
-            if k in p:
-                row[f"param.{k}"] = p[k]
-        for k in sorted(m):
-            if k in ("epsilon", "delta") or k.startswith("acc_") or k.startswith("cert_acc_"):
-                row[k] = m[k]
-        rows.append(row)
-    return rows
-
-
-def _columns(rows: list[dict]) -> list[str]:
-    cols: list[str] = []
-    for r in rows:
-        cols += [k for k in r if k not in cols]
-    return cols
+DEFAULT_SIZES = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
+HIDDEN = ("run_id",)
 
 
 def _fmt(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:.4g}"
+    return str(v)
 
 
-def _plot_accuracy_vs_epsilon(children, path: Path) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    series: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for run in children:
-        m = run.data.metrics
-        if "epsilon" not in m:
-            continue
-        mech = run.data.tags.get(TAG_TRAINABLE, "?")
-        for k, val in m.items():
-            if k.startswith("acc_") and k != "acc_clean_expected":
-                series.setdefault((mech, k), []).append((m["epsilon"], val))
-    if not series:
-        return False
-    fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
-    markers = "osD^v<>PX*"
-    mechs = sorted({m for m, _ in series})
-    metrics = sorted({k for _, k in series}, key=lambda k: (k != "acc_clean", k))
-    for (mech, metric), pts in sorted(series.items()):
-        # points, not lines: trials at one epsilon can differ in every other parameter
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=markers[mechs.index(mech) % len(markers)],
-                   color=plt.cm.tab10(metrics.index(metric) % 10), label=f"{mech}: {metric}", alpha=0.85)
-    ax.set_xscale("log")
-    ax.set_xlabel("epsilon (reported by the trial)")
-    ax.set_ylabel("accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+def _md_table(rows: list[dict], cols: list[str] | None = None) -> list[str]:
+    if not rows:
+        return ["(none)"]
+    if cols is None:
+        cols = []
+        for r in rows:
+            cols += [k for k in r if k not in cols]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return out
 
 
-def _plot_cert_curves(children, path: Path) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    mechs = sorted({r.data.tags.get(TAG_TRAINABLE, "?") for r in children})
-    styles = {m: ("-", "--", ":", "-.")[i % 4] for i, m in enumerate(mechs)}
-    fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
-    drawn = False
-    for i, run in enumerate(children):
-        pts = sorted((float(mt.group(1)), val) for k, val in run.data.metrics.items() if (mt := _CERT.match(k)))
-        if not pts:
-            continue
-        mech = run.data.tags.get(TAG_TRAINABLE, "?")
-        p = run.data.params
-        label = f"{mech} " + " ".join(f"{k}={p[k]}" for k in ("epsilon", "attack_bound", "psi") if k in p)
-        ax.plot([q[0] for q in pts], [q[1] for q in pts], marker=".", ls=styles[mech], color=plt.cm.tab10(i % 10),
-                label=label, alpha=0.85)
-        drawn = True
-    if not drawn:
-        plt.close(fig)
-        return False
-    ax.set_xlabel("attack size ([-1, 1] input domain)")
-    ax.set_ylabel("certified accuracy")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
+def _summary_columns(trials) -> list[str]:
+    """The trials table of the summary page: identity, the swept parameters, the headline metrics."""
+    swept = [c for c in trials.columns if c.startswith("param.") and c != "param.trainable"
+             and trials[c].astype(str).nunique() > 1]
+    metrics = [c for c in trials.columns if c in ("epsilon", "delta", "epsilon_lower_bound", "acc_clean")
+               or c.startswith(("acc_", "cert_acc_", "smooth_cert_acc_")) and c != "acc_clean_expected"]
+    metrics.sort(key=lambda c: (c not in ("epsilon", "delta", "epsilon_lower_bound"), c != "acc_clean", c))
+    return ["run", "trainable", "status", *swept, *metrics]
 
 
-def make_report(experiment: str, tracking_uri: str, out: Path) -> Path:
-    """Write the report of the latest sweep in ``experiment`` to ``out``; returns report.md."""
-    client, parent, children = load_trials(experiment, tracking_uri)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = _rows(children)
-    cols = _columns(rows)
-    with open(out / "trials.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
-    figures = []
-    if _plot_accuracy_vs_epsilon(children, out / "accuracy_vs_epsilon.png"):
-        figures.append(("Accuracy against epsilon", "accuracy_vs_epsilon.png"))
-    if _plot_cert_curves(children, out / "cert_acc_vs_size.png"):
-        figures.append(("Certified accuracy against attack size", "cert_acc_vs_size.png"))
-    eps = [r["epsilon"] for r in rows if isinstance(r.get("epsilon"), float) and math.isfinite(r["epsilon"])]
-    lines = [f"# Sweep report: {experiment}", "",
-             f"Parent run `{parent.info.run_id}` ({parent.info.run_name}), {len(rows)} trials, tracking URI "
-             f"`{tracking_uri}`.", ""]
+def _privacy_section(sweep: Sweep) -> list[str]:
+    m, tags, trials = sweep.parent_metrics, sweep.parent_tags, sweep.trials
+    lines = ["## Privacy of the sweep", ""]
+    eps = trials["epsilon"].dropna().astype(float) if "epsilon" in trials else []
+    eps = [e for e in eps if math.isfinite(e)]
     if eps:
-        lines += [f"Per-trial epsilon ranges from {min(eps):.4g} to {max(eps):.4g}. Where epsilon protects the "
-                  "training data, choosing the best of these trials on the same private data is itself a use of "
-                  "that data: the selection among trials is not covered by any privacy guarantee reported here.", ""]
-    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
-    for title, fname in figures:
-        lines += ["", f"## {title}", "", f"![{title}]({fname})"]
+        lines.append(f"Per-trial epsilon: {min(eps):.4g} to {max(eps):.4g} (each holds for its own trial only).")
+    if "tuning_epsilon" in m:
+        released = trials[trials["released"]] if "released" in trials else trials.iloc[0:0]
+        rel = (f" The released trial is `{released.iloc[0]['run']}`" if len(released) else "")
+        score = [f"{k[len('released_'):]} = {v:.4g}" for k, v in m.items() if k.startswith("released_")]
+        lines += ["", f"**Private hyperparameter selection** ({tags.get('dpsweep.selection_privacy', '')}). "
+                  f"K = {int(m.get('tuning_trials', 0))} trials were drawn; each trial's guarantee is at most "
+                  f"epsilon {m.get('trial_epsilon_worst', math.nan):.4g} (worst case over the search space) and "
+                  f"releasing only the best costs **epsilon {m['tuning_epsilon']:.4g} at delta "
+                  f"{m.get('tuning_delta', math.nan):.3g} end to end** (Papernot & Steinke 2022, computed with "
+                  f"dp-accounting).{rel}{' with ' + ', '.join(score) if score else ''}. The other trials are "
+                  "not covered by that guarantee and must not be published."]
+    else:
+        lines += ["", "**The selection among trials is not covered by any privacy guarantee.** Choosing the best "
+                  f"of these {len(trials)} trials, trained on the same private data, uses that data again: the "
+                  "per-trial epsilons above do not bound what publishing the best trial reveals. Run the sweep "
+                  "with `tuning_privacy` (docs/tuning_privacy.md) for an end-to-end guarantee."]
+    if "epsilon_lower_bound" in trials and trials["epsilon_lower_bound"].notna().any():
+        audited = trials[trials["epsilon_lower_bound"].notna()]
+        rows = [{"run": r["run"], "trainable": r["trainable"], "claimed epsilon": r.get("epsilon", math.nan),
+                 "audited lower bound": r["epsilon_lower_bound"],
+                 "consistent": "yes" if r["epsilon_lower_bound"] <= r.get("epsilon", math.inf) else "**NO**"}
+                for _, r in audited.iterrows()]
+        lines += ["", "### Empirical privacy audits", "",
+                  "A lower bound on epsilon from canaries (docs/audit.md): above the claimed epsilon means the "
+                  "claim is wrong.", "", *_md_table(rows)]
+    return lines + [""]
+
+
+def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, parent_run_id: str | None = None) -> Path:
+    """Write the report of the latest sweep in ``experiment`` to ``out``; returns report.md."""
+    sweep = load_sweep(experiment, tracking_uri, parent_run_id=parent_run_id)
+    load_tables(sweep)
+    sizes = tuple(sorted(sizes or DEFAULT_SIZES))
+    out.mkdir(parents=True, exist_ok=True)
+    trials = sweep.trials
+    visible = [c for c in trials.columns if c not in HIDDEN]
+    trials[visible].to_csv(out / "trials.csv", index=False)
+    files = [out / "trials.csv"]
+
+    figures: list[tuple[str, str, str]] = []  # (title, file, caption)
+
+    def add(ok: bool, title: str, fname: str, caption: str = "") -> None:
+        if ok:
+            figures.append((title, fname, caption))
+
+    add(rp.plot_pareto(trials, "acc_clean", out / "pareto_accuracy.png", "conventional accuracy (clean)"),
+        "Epsilon against conventional accuracy", "pareto_accuracy.png",
+        "Every trial a point; the line is each mechanism's Pareto front (no trial has lower epsilon and higher "
+        "accuracy). Note that PixelDP's epsilon is a robustness parameter, not a guarantee for training data.")
+    cert_metric = next((f"cert_acc_{s:.6g}" for s in sizes if f"cert_acc_{s:.6g}" in trials), None)
+    if cert_metric:
+        add(rp.plot_pareto(trials, cert_metric, out / "pareto_certified.png", f"certified accuracy ({cert_metric})"),
+            f"Epsilon against certified accuracy ({cert_metric})", "pareto_certified.png")
+    add(rp.plot_certified_curves(sweep, "native", out / "cert_acc_vs_size.png"),
+        "Certified accuracy against attack size", "cert_acc_vs_size.png",
+        "From the per-example tables: any size can be read off, not only the configured ones.")
+    add(rp.plot_certified_curves(sweep, "smoothing", out / "smooth_cert_acc_vs_size.png"),
+        "Randomized-smoothing certified accuracy against l2 radius", "smooth_cert_acc_vs_size.png")
+    fig2_size = _fig2_size(trials)
+    if fig2_size is not None:
+        add(rp.plot_accuracy_vs_epsilon_per_attack(trials, fig2_size, out / "fig2_accuracy_vs_epsilon.png"),
+            f"Conventional accuracy against epsilon under each attack (size {fig2_size:g}; DPAL paper Fig. 2 layout)",
+            "fig2_accuracy_vs_epsilon.png")
+    add(rp.plot_accuracy_vs_size_per_attack(trials, out / "fig4_accuracy_vs_attack_size.png"),
+        "Conventional accuracy against attack size (DPAL paper Fig. 4 layout)", "fig4_accuracy_vs_attack_size.png")
+    add(rp.plot_certified_vs_size_by_mechanism(sweep, out / "fig6_certified_vs_attack_size.png"),
+        "Certified accuracy against attack size by mechanism and epsilon (DPAL paper Fig. 6 layout)",
+        "fig6_certified_vs_attack_size.png")
+    for title, fname in _mechanism_figures(trials, out):
+        figures.append((title, fname, ""))
+
+    lines = [f"# Sweep report: {experiment}", "",
+             f"Parent run `{sweep.parent.info.run_id}` ({sweep.parent.info.run_name}), {len(trials)} trials, "
+             f"tracking URI `{tracking_uri}`.", ""]
+    lines += _privacy_section(sweep)
+    if not trials.empty:
+        cols = [c for c in _summary_columns(trials) if c in trials]
+        lines += ["## Trials", "", *_md_table(trials[cols].to_dict("records"), cols),
+                  "", "Every parameter and metric: `trials.csv`.", ""]
+    cert_rows = rp.certified_table(sweep, sizes)
+    if cert_rows:
+        import csv
+
+        with open(out / "certified_accuracy.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(cert_rows[0]))
+            w.writeheader()
+            w.writerows(cert_rows)
+        files.append(out / "certified_accuracy.csv")
+        lines += [f"## Certified accuracy at sizes {', '.join(f'{s:g}' for s in sizes)}", "",
+                  "Computed from each trial's per-example table (`dpsweep report --sizes ...` asks for others).", "",
+                  *_md_table(cert_rows), ""]
+    for title, fname, caption in figures:
+        lines += [f"## {title}", "", f"![{title}]({fname})", ""] + ([caption, ""] if caption else [])
+        files.append(out / fname)
     report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n")
-    for f in [report, out / "trials.csv", *(out / fname for _, fname in figures)]:
-        retry(lambda f=f: client.log_artifact(parent.info.run_id, str(f), "report"), what="log_artifact(report)")
+    report.write_text("\n".join(lines))
+    for f in [report, *files]:
+        retry(lambda f=f: sweep.client.log_artifact(sweep.parent.info.run_id, str(f), "report"),
+              what="log_artifact(report)")
     return report
+
+
+def _fig2_size(trials) -> float | None:
+    """The attack size of Fig. 2's layout: the one most attacks were run at (0.2 on ties, as the paper)."""
+    count: dict[float, int] = {}
+    for c in trials.columns:
+        m = rp.ACC.match(str(c))
+        if m:
+            count[float(m.group(2))] = count.get(float(m.group(2)), 0) + 1
+    if not count:
+        return None
+    return max(count, key=lambda s: (count[s], s == 0.2, -abs(s - 0.2)))
+
+
+def _mechanism_figures(trials, out: Path) -> list[tuple[str, str]]:
+    """Figures a mechanism's own module draws (label DP: accuracy and MSE against epsilon)."""
+    figs = []
+    try:
+        from sweeps.report_labeldp import labeldp_figures
+    except ImportError:
+        return figs
+    for path in labeldp_figures(trials, out) or []:
+        figs.append((f"Label DP: {Path(path).stem.replace('_', ' ')}", Path(path).name))
+    return figs
