@@ -156,6 +156,12 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, pa
         lines += [f"## Certified accuracy at sizes {', '.join(f'{s:g}' for s in sizes)}", "",
                   "Computed from each trial's per-example table (`dpsweep report --sizes ...` asks for others).", "",
                   *_md_table(cert_rows), ""]
+    dpal_rows = _dpal_rows(sweep)
+    if dpal_rows:
+        lines += ["## DPAL verified inference (per-example tables)", "",
+                  "Medians over the certified test examples of the robustness budget eps_r maximising Eq. 15, the "
+                  "bounds kappa and phi of Theorem 5, the certified size max(kappa, phi) (docs/dpal.md), and the "
+                  "fraction isRobust at the configured mu_a.", "", *_md_table(dpal_rows), ""]
     for title, fname, caption in figures:
         lines += [f"## {title}", "", f"![{title}]({fname})", ""] + ([caption, ""] if caption else [])
         files.append(out / fname)
@@ -165,6 +171,21 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, pa
         retry(lambda f=f: sweep.client.log_artifact(sweep.parent.info.run_id, str(f), "report"),
               what="log_artifact(report)")
     return report
+
+
+def _dpal_rows(sweep: Sweep) -> list[dict]:
+    """One row per DPAL trial from its per-example table (eps_r, kappa, phi, certified size, isRobust)."""
+    by_id = sweep.trials.set_index("run_id") if not sweep.trials.empty else None
+    rows = []
+    for (rid, kind), t in sorted(sweep.tables.items()):
+        if kind != "native" or not {"kappa", "phi", "eps_r"} <= set(t.columns):
+            continue
+        row = by_id.loc[rid]
+        rows.append({"run": row["run"], "eps_t": float(row.get("epsilon", math.nan)), "examples": len(t),
+                     "eps_r": float(t["eps_r"].median()), "kappa": float(t["kappa"].median()),
+                     "phi": float(t["phi"].median()), "certified_size": float(t["certified_size"].median()),
+                     "isRobust": float(t["is_robust"].mean()) if "is_robust" in t else math.nan})
+    return rows
 
 
 def _fig2_size(trials) -> float | None:

@@ -253,6 +253,7 @@ def test_two_mechanisms_in_one_sweep(tmp_path, ray_local, monkeypatch):
                  "fig6_certified_vs_attack_size.png", "trials.csv", "certified_accuracy.csv"):
         assert (out / name).stat().st_size > 100, name
     assert "not covered by any privacy guarantee" in report and "cert_acc_0.0123" in report
+    assert "DPAL verified inference" in report
     sweep = load_sweep("both", uri)
     load_tables(sweep)
     assert len(sweep.tables) == 2
