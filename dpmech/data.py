@@ -222,3 +222,22 @@ def load_splits(dataset: str, *, train_size: int | None = None, test_size: int |
     train = _load(dataset, "train", train_size, seed, root, download, "train_size")
     test = _load(dataset, "test", test_size, seed + 1, root, download, "test_size")
     return train, test
+
+
+def load_held_out(dataset: str, *, train_size: int | None, test_size: int | None, seed: int = 0,
+                  root: str | os.PathLike | None = None) -> TensorDataset:
+    """Examples in neither the training subset nor the evaluation subset of ``load_splits`` with
+    the same arguments (the training split's remainder, else the test split's): the pool that
+    privacy-audit canaries are drawn from."""
+    path = _root(root)
+    for split, size, sub_seed in (("train", train_size, seed), ("test", test_size, seed + 1)):
+        if size is None:
+            continue
+        x, y = _to_tensors(_torchvision_dataset(dataset, path, split == "train", True), dataset)
+        keep = np.ones(x.shape[0], dtype=bool)
+        keep[subset_indices(x.shape[0], size, sub_seed)] = False
+        if keep.any():
+            idx = torch.from_numpy(np.flatnonzero(keep))
+            return TensorDataset(x[idx], y[idx])
+    raise ValueError("audit_canaries: every example is in the training or evaluation set; set train_size or "
+                     "test_size below the split's size so canaries can be drawn from the rest")

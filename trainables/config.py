@@ -8,7 +8,7 @@ work, and errors name the key.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -37,6 +37,19 @@ class CommonConfig(BaseModel):
     certify_images: int = Field(500, ge=0, description="test images certified (0 = skip certification)")
     certify_sizes: list[float] = Field(
         default_factory=lambda: [0.05, 0.1, 0.2, 0.3, 0.5, 1.0], description="attack sizes reported as cert_acc_<size>")
+    audit_canaries: int = Field(0, ge=0, description="privacy audit: canaries inserted (0 = no audit; docs/audit.md)")
+    audit_guess_fraction: float = Field(0.2, gt=0, le=1, description="privacy audit: fraction of canaries guessed")
+    audit_beta: float = Field(0.05, gt=0, lt=1, description="privacy audit: 1 - confidence of epsilon_lower_bound")
+
+    # True for mechanisms whose epsilon protects training examples (the privacy audit applies)
+    protects_training_examples: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _audit_applies(self):
+        if self.audit_canaries and not self.protects_training_examples:
+            raise ValueError("audit_canaries: this mechanism gives no privacy guarantee for its training examples, "
+                             "there is no claim to audit")
+        return self
 
     @field_validator("attacks")
     @classmethod

@@ -125,6 +125,10 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
     train, test = load_splits(cfg.dataset, train_size=cfg.train_size, test_size=cfg.test_size, seed=cfg.data_seed)
     x, y = (t.to(device) for t in train.tensors)
     xt, yt = (t.to(device) for t in test.tensors)
+    canaries = audit_canaries(cfg, device)
+    if canaries is not None:  # the included canaries join the training set (docs/audit.md)
+        cx, cy = canaries.members()
+        x, y = torch.cat([x, cx]), torch.cat([y, cy])
     mech = mechanism_cls(cfg, x, y, device)
 
     meta: dict[str, Any] = {"mlflow_run_id": None, "history": [], "compute_seconds": 0.0}
@@ -159,6 +163,8 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
 
         t0 = time.perf_counter()
         final = evaluate(mech, cfg, xt, yt)
+        if canaries is not None:
+            final["metrics"].update(run_audit(mech, canaries, cfg, final["metrics"].get("delta", 0.0)))
         # time spent training and evaluating, without logging and checkpointing (all attempts)
         final["metrics"]["compute_seconds"] = meta.get("compute_seconds", 0.0) + time.perf_counter() - t0
         if tracker:
@@ -202,3 +208,32 @@ def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Ten
             metrics["acc_clean_expected"] = result.accuracy()
     metrics.update(mech.privacy())
     return {"metrics": metrics, "certification": result}
+
+
+def audit_canaries(cfg: CommonConfig, device: torch.device):
+    """The canaries of the privacy audit (None without ``audit_canaries``): drawn from examples in
+    neither the training nor the evaluation set, the same on every attempt of the trial."""
+    if cfg.audit_canaries == 0:
+        return None
+    from dpmech.audit import make_canaries
+    from dpmech.data import load_held_out, num_classes
+
+    pool = load_held_out(cfg.dataset, train_size=cfg.train_size, test_size=cfg.test_size, seed=cfg.data_seed)
+    x, y = pool.tensors
+    c = make_canaries(x, y, cfg.audit_canaries, num_classes(cfg.dataset), cfg.seed)
+    c.x, c.y = c.x.to(device), c.y.to(device)
+    return c
+
+
+def run_audit(mech, canaries, cfg: CommonConfig, delta: float) -> dict[str, float]:
+    """``epsilon_lower_bound`` and the audit's counts: the mechanism's ``membership_scores`` (its
+    own notion of fit, e.g. a GAN critic's score) or the negative loss of its classifier."""
+    from dpmech.audit import audit, loss_scores
+
+    if hasattr(mech, "membership_scores"):
+        scores = mech.membership_scores(canaries.x, canaries.y)
+    else:
+        scores = loss_scores(mech.model, canaries.x, canaries.y)
+    return audit(scores, canaries.included, guess_fraction=cfg.audit_guess_fraction, beta=cfg.audit_beta,
+                 delta=float(delta))
+
