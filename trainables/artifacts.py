@@ -3,7 +3,9 @@
 * ``model/weights.pt``: the model's ``state_dict`` (load with ``torch.load(weights_only=True)``);
 * ``certification/certification.parquet``: one row per certified test example (index, label,
   prediction, lower/upper bounds, certified size), written with pyarrow;
-* ``certification/cert_acc.png``: certified accuracy against attack size.
+* ``certification/cert_acc.png``: certified accuracy against attack size;
+* whatever the mechanism adds with ``mech.extra_artifacts(directory) -> [(path, artifact_dir)]``
+  (e.g. DPGAN's grid of generated digits); it must never write a raw training example.
 
 No raw training example is ever logged.
 """
@@ -69,3 +71,8 @@ def log_final_artifacts(tracker, mech, final: dict, cfg) -> None:
             title = f"{tracker.run_id[:8]}  epsilon={eps:.3g}" if eps is not None else ""
             plot_certified_accuracy(result, tmp / "cert_acc.png", title)
             tracker.log_artifact(str(tmp / "cert_acc.png"), "certification")
+        if hasattr(mech, "extra_artifacts"):
+            extra = tmp / "extra"
+            extra.mkdir()
+            for path, artifact_dir in mech.extra_artifacts(extra):
+                tracker.log_artifact(str(path), artifact_dir)
