@@ -248,3 +248,21 @@ def certified_accuracy(result: SmoothingResult, radii) -> dict[float, float]:
         r = v.non_negative("radius", r)
         out[r] = float((ok & (result.radius >= r)).mean())
     return out
+
+
+def smoothing_metrics(result: SmoothingResult, radii) -> dict[str, float]:
+    """The trial metrics of randomized smoothing (docs/smoothing.md):
+
+    * ``smooth_cert_acc_<r>``: certified accuracy at l2 radius >= r (``certified_accuracy``);
+    * ``smooth_cert_abstain_rate``: fraction of inputs on which CERTIFY abstains;
+    * ``smooth_acc_clean`` / ``smooth_abstain_rate``: accuracy of PREDICT (an abstention is
+      wrong) and the fraction on which it abstains, when PREDICT was run.
+    """
+    from dpmech.evaluation import format_size
+
+    out = {f"smooth_cert_acc_{format_size(r)}": acc for r, acc in certified_accuracy(result, radii).items()}
+    out["smooth_cert_abstain_rate"] = result.abstain_rate()
+    if result.smoothed_prediction is not None:
+        out["smooth_acc_clean"] = float((result.smoothed_prediction == result.label).mean())
+        out["smooth_abstain_rate"] = float((result.smoothed_prediction == ABSTAIN).mean())
+    return out

@@ -4,6 +4,9 @@
 * ``certification/certification.parquet``: one row per certified test example (index, label,
   prediction, lower/upper bounds, certified size), written with pyarrow;
 * ``certification/cert_acc.png``: certified accuracy against attack size;
+* with ``certifier: smoothing`` or ``both``: ``certification/smoothing.parquet`` (index, label,
+  prediction (-1 = abstain), abstained, count_a, p_a_lower, radius, smoothed_prediction; see
+  docs/smoothing.md) and ``certification/smooth_cert_acc.png`` (certified accuracy against l2 radius);
 * whatever the mechanism adds with ``mech.extra_artifacts(directory) -> [(path, artifact_dir)]``
   (e.g. DPGAN's grid of generated digits); it must never write a raw training example.
 
@@ -25,7 +28,7 @@ def certification_table(result):
 
     cols = result.as_columns()
     table = pa.table({k: pa.array(np.asarray(val)) for k, val in cols.items()})
-    keys = ("noise_scale", "sensitivity", "norm", "n", "eta", "bounds", "psi", "mu_a")
+    keys = ("noise_scale", "sensitivity", "norm", "n", "eta", "bounds", "psi", "mu_a", "sigma", "n0", "alpha")
     meta = {k: str(getattr(result, k)) for k in keys if hasattr(result, k)}
     return table.replace_schema_metadata({f"dpsweep.{k}": v for k, v in meta.items()})
 
@@ -71,6 +74,13 @@ def log_final_artifacts(tracker, mech, final: dict, cfg) -> None:
             title = f"{tracker.run_id[:8]}  epsilon={eps:.3g}" if eps is not None else ""
             plot_certified_accuracy(result, tmp / "cert_acc.png", title)
             tracker.log_artifact(str(tmp / "cert_acc.png"), "certification")
+        smooth = final.get("smoothing")
+        if smooth is not None:
+            pq.write_table(certification_table(smooth), tmp / "smoothing.parquet")
+            tracker.log_artifact(str(tmp / "smoothing.parquet"), "certification")
+            title = f"{tracker.run_id[:8]}  randomized smoothing, sigma={smooth.sigma:.3g}"
+            plot_certified_accuracy(smooth, tmp / "smooth_cert_acc.png", title)
+            tracker.log_artifact(str(tmp / "smooth_cert_acc.png"), "certification")
         if hasattr(mech, "extra_artifacts"):
             extra = tmp / "extra"
             extra.mkdir()

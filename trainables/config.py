@@ -37,6 +37,11 @@ class CommonConfig(BaseModel):
     certify_images: int = Field(500, ge=0, description="test images certified (0 = skip certification)")
     certify_sizes: list[float] = Field(
         default_factory=lambda: [0.05, 0.1, 0.2, 0.3, 0.5, 1.0], description="attack sizes reported as cert_acc_<size>")
+    certifier: Literal["default", "smoothing", "both"] = Field(
+        "default", description="default: the mechanism's own certifier; smoothing: randomized smoothing (Cohen et al. 2019, "
+        "models with Gaussian noise on the input; docs/smoothing.md); both: the two side by side")
+    smoothing_n0: int = Field(100, gt=0, description="randomized smoothing: selection draws n0 of CERTIFY (certify_n is n)")
+    smoothing_alpha: float = Field(0.001, gt=0, lt=0.5, description="randomized smoothing: failure probability alpha of CERTIFY and PREDICT")
     audit_canaries: int = Field(0, ge=0, description="privacy audit: canaries inserted (0 = no audit; docs/audit.md)")
     audit_guess_fraction: float = Field(0.2, gt=0, le=1, description="privacy audit: fraction of canaries guessed")
     audit_beta: float = Field(0.05, gt=0, lt=1, description="privacy audit: 1 - confidence of epsilon_lower_bound")
@@ -49,6 +54,22 @@ class CommonConfig(BaseModel):
         if self.audit_canaries and not self.protects_training_examples:
             raise ValueError("audit_canaries: this mechanism gives no privacy guarantee for its training examples, "
                              "there is no claim to audit")
+        return self
+
+    def smoothing_unavailable(self) -> str | None:
+        """Why randomized smoothing cannot certify this trial's model (None: no objection here).
+
+        A schema whose model never has Gaussian noise on its input (or only for some settings)
+        overrides this so that ``certifier: smoothing`` fails at validation; otherwise the trial
+        checks at its start that the mechanism provides ``smoothing_classifier()``."""
+        return None
+
+    @model_validator(mode="after")
+    def _smoothing_applies(self):
+        if self.certifier != "default":
+            reason = self.smoothing_unavailable()
+            if reason:
+                raise ValueError(f"certifier: {self.certifier!r} is not available here: {reason}")
         return self
 
     @field_validator("attacks")
@@ -91,6 +112,11 @@ class PixelDPTrialConfig(CommonConfig):
         "analytic", description="certified-size search: exact Gaussian calibration, or the reference's classic formula with eps' <= 1")
     certify_exact_sensitivity: bool = Field(
         True, description="correct the certified size with the measured pre-noise sensitivity (False: the construction bound 1, as the paper)")
+
+    def smoothing_unavailable(self) -> str | None:
+        if self.noise_after != 0 or self.norm != "l2":
+            return "randomized smoothing needs Gaussian noise on the input (set noise_after: 0 and norm: l2)"
+        return None
 
 
 class DPALTrialConfig(CommonConfig):

@@ -22,6 +22,20 @@ _TRAINER_KEYS = ("dataset", "epsilon", "delta", "attack_bound", "norm", "noise_a
                  "batch_size", "lr", "optimizer", "weight_decay", "noise_ramp_epochs", "seed")
 
 
+class _WithoutNoise(torch.nn.Module):
+    """A PixelDP network with its noise on the input (``noise_after == 0``) minus that noise: the
+    network's forward pass is ``post_noise(x + Z)`` with Z ~ N(0, scale^2 I), so this base
+    classifier plus Gaussian input noise of std ``scale`` is exactly the PixelDP model's random
+    forward pass (docs/smoothing.md). Parameters are shared with the PixelDP network."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net.post_noise(self.net.pre_noise(x))
+
+
 class PixelDPMechanism(TrainerMechanism):
     """Adapter from the trial config to ``dpmech.pixeldp.PixelDPTrainer``."""
 
@@ -38,6 +52,15 @@ class PixelDPMechanism(TrainerMechanism):
         sensitivity = None if cfg.certify_exact_sensitivity else self.model.sensitivity_bound()
         return certify(self.model, x, y, n=cfg.certify_n, eta=cfg.certify_eta, bounds=cfg.certify_bounds,
                        sensitivity=sensitivity, calibration=cfg.certify_calibration)
+
+    def smoothing_classifier(self):
+        """(base, sigma) for randomized smoothing when the noise is Gaussian and on the input
+        (``noise_after == 0``, ``norm == "l2"``); None otherwise (the noise then sits after the
+        first convolution, or is Laplace, and smoothing's l2 certificate does not apply)."""
+        m = self.model
+        if m.noise_after != 0 or m.norm != "l2" or not m.has_noise:
+            return None
+        return _WithoutNoise(m), float(m.noise.scale)
 
 
 def pixeldp(config: dict) -> None:

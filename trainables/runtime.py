@@ -10,8 +10,9 @@
 4. train epoch by epoch, reporting ``train_loss``/``test_acc`` with ``ray.tune.report`` and a
    checkpoint of everything needed to continue (model, optimizer, RNG states, privacy ledger,
    MLflow run id) after every epoch;
-5. evaluate: each attack at each size, then certification; report and log the final metrics
-   (names in docs/metrics.md) and the artifacts (weights, per-example Parquet table, plot).
+5. evaluate: each attack at each size, then certification (the mechanism's own, randomized
+   smoothing, or both: ``certifier``); report and log the final metrics (names in
+   docs/metrics.md) and the artifacts (weights, per-example Parquet tables, plots).
 
 A mechanism is a small class (see ``Mechanism``) around a dpmech trainer.
 """
@@ -130,6 +131,8 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         cx, cy = canaries.members()
         x, y = torch.cat([x, cx]), torch.cat([y, cy])
     mech = mechanism_cls(cfg, x, y, device)
+    if cfg.certifier != "default":  # refuse before any training or MLflow run
+        smoothing_classifier(mech, cfg, trainable)
 
     meta: dict[str, Any] = {"mlflow_run_id": None, "history": [], "compute_seconds": 0.0}
     ckpt = tune.get_checkpoint()
@@ -184,12 +187,44 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         raise
 
 
+def smoothing_classifier(mech: Mechanism, cfg: CommonConfig, trainable: str = "") -> tuple[torch.nn.Module, float]:
+    """The mechanism's ``(base_model, sigma)`` for randomized smoothing; a ValueError naming the
+    ``certifier`` key when it has none (no ``smoothing_classifier()``, or it returned None)."""
+    fn = getattr(mech, "smoothing_classifier", None)
+    out = fn() if fn is not None else None
+    if out is None:
+        who = f"trainable {trainable!r}" if trainable else type(mech).__name__
+        raise ValueError(f"config.certifier: {cfg.certifier!r} needs a model with Gaussian noise on its input, and "
+                         f"{who} provides none with this config (no smoothing_classifier()); use certifier: default")
+    return out
+
+
+def evaluate_smoothing(mech: Mechanism, cfg: CommonConfig, x: torch.Tensor, y: torch.Tensor):
+    """Randomized smoothing (docs/smoothing.md): CERTIFY with ``smoothing_n0`` selection and
+    ``certify_n`` estimation draws at ``smoothing_alpha``, and PREDICT with ``certify_n`` draws, on
+    the same images; each from its own generator seeded from the trial's seed. Returns the
+    ``SmoothingResult`` (PREDICT's answers in ``smoothed_prediction``) and its metrics."""
+    from dpmech import smoothing
+
+    base, sigma = smoothing_classifier(mech, cfg)
+    param = next(base.parameters(), None)
+    device = param.device if param is not None else x.device
+    gens = [torch.Generator(device=device).manual_seed(cfg.seed * 2 + 1_000_003 + i) for i in range(2)]
+    result = smoothing.certify(base, sigma, x, y, n0=cfg.smoothing_n0, n=cfg.certify_n, alpha=cfg.smoothing_alpha,
+                               generator=gens[0])
+    result.smoothed_prediction = smoothing.predict(base, sigma, x, n=cfg.certify_n, alpha=cfg.smoothing_alpha,
+                                                   generator=gens[1])
+    return result, smoothing.smoothing_metrics(result, cfg.certify_sizes)
+
+
 def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Tensor) -> dict:
     """Conventional accuracy (clean and each attack at each size), then certification.
 
     A mechanism whose predictions are not its model's plain forward pass (DPAL's verified
     inference) provides ``conventional_accuracy(x, y, cfg)``; the others use
-    ``dpmech.evaluation.conventional_accuracy`` on ``mech.model``.
+    ``dpmech.evaluation.conventional_accuracy`` on ``mech.model``. ``cfg.certifier`` selects the
+    mechanism's own certifier (``final["certification"]``, ``cert_acc_<size>``), randomized
+    smoothing (``final["smoothing"]``, ``smooth_*`` metrics) or both.
     """
     from dpmech.evaluation import certified_accuracy_curve, conventional_accuracy
 
@@ -199,15 +234,19 @@ def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Ten
         metrics = conventional_accuracy(
             mech.model, xt, yt, attacks=cfg.attacks, norm=cfg.attack_norm, n_predict=cfg.n_predict,
             eot_samples=cfg.eot_samples, steps=cfg.attack_steps, seed=cfg.seed)
-    result = None
+    result = smooth = None
     if cfg.certify_images > 0:
         k = min(cfg.certify_images, xt.shape[0])
-        result = mech.certify(xt[:k], yt[:k], cfg)
-        if result is not None:
-            metrics.update(certified_accuracy_curve(result, cfg.certify_sizes))
-            metrics["acc_clean_expected"] = result.accuracy()
+        if cfg.certifier in ("default", "both"):
+            result = mech.certify(xt[:k], yt[:k], cfg)
+            if result is not None:
+                metrics.update(certified_accuracy_curve(result, cfg.certify_sizes))
+                metrics["acc_clean_expected"] = result.accuracy()
+        if cfg.certifier in ("smoothing", "both"):
+            smooth, smooth_metrics = evaluate_smoothing(mech, cfg, xt[:k], yt[:k])
+            metrics.update(smooth_metrics)
     metrics.update(mech.privacy())
-    return {"metrics": metrics, "certification": result}
+    return {"metrics": metrics, "certification": result, "smoothing": smooth}
 
 
 def audit_canaries(cfg: CommonConfig, device: torch.device):
