@@ -1,0 +1,408 @@
+"""DP-SGD (Abadi et al., CCS 2016, Algorithm 1) through Opacus 1.6: a reusable engine.
+
+One step t of Algorithm 1, as implemented by :meth:`DPSGDTrainer.train_step`:
+
+* **Sampling** (Alg. 1 line "take a random sample L_t with sampling probability q"): every one of
+  the N training examples joins the batch independently with probability q = batch_size / N
+  (Poisson sampling, drawn from the trainer's own ``torch.Generator``), so the batch size varies
+  (mean N q, variance N q (1 - q)); the privacy analysis (the moments accountant, Abadi et al.
+  Thm. 1; subsampled RDP, Mironov, Talwar & Zhang 2019) assumes exactly this sampling.
+* **Per-example gradients and clipping** (lines "compute gradient" and "clip gradient"):
+  g_i <- g_i / max(1, ||g_i||_2 / C) over the flat vector of all parameters (``clipping="flat"``,
+  Opacus hooks compute every g_i) or without materialising the g_i (``clipping="ghost"``, Opacus
+  ghost clipping, Li et al. 2022 / Bu et al. 2023: per-example norms from activations and
+  backprops, then a second backward of sum_i c_i loss_i with c_i = min(1, C / ||g_i||)). Both
+  give the same clipped sum; ghost is the default because it is several times faster.
+* **Noise** (line "add noise"): g_bar = (sum_i g_i + N(0, sigma^2 C^2 I)) / B with B the
+  *expected* batch size (Opacus's ``loss_reduction="mean"`` with Poisson sampling), noise drawn by
+  the Opacus ``DPOptimizer`` from the trainer's explicit noise generator.
+* **Descent** (line "descent"): the wrapped torch optimizer (SGD with momentum, or Adam; both are
+  post-processing of g_bar).
+* **Accounting**: after every step actually taken, ``(q, sigma, 1)`` goes into the
+  :class:`~dpmech.accounting.PrivacyLedger`; epsilon is computed from the ledger (RDP and PLD with
+  dp-accounting), never copied from the configuration. An empty Poisson batch is still a step (the
+  noise alone is applied) and is recorded.
+
+Noise calibration: with a target (epsilon, delta), sigma is the smallest noise multiplier whose
+RDP epsilon after the **planned** number of steps ``epochs * ceil(N / batch_size)`` at sampling
+rate q is <= epsilon (:func:`dpmech.accounting.noise_multiplier_for`); so the ledger of a
+completed run gives epsilon <= target.
+
+Engine API (for DP-SGD itself and for mechanisms built on it, e.g. SecureSGD)::
+
+    cfg = DPSGDConfig(epsilon=8.0, delta=1e-5, max_grad_norm=1.0, batch_size=256, epochs=5,
+                      lr=0.1, optimizer="sgd", momentum=0.9, clipping="ghost", seed=0)
+    trainer = DPSGDTrainer(model, x_train, y_train, cfg, device="cpu")   # any nn.Module
+    trainer.train_epoch()            # -> {"train_loss", "train_acc", "batch_size_mean"}
+    trainer.train_step()             # one Poisson-sampled clipped noisy step (returns the batch size)
+    trainer.privacy()                # epsilon (RDP), epsilon_pld, delta, noise_multiplier, sampling_rate, steps
+    trainer.ledger                   # PrivacyLedger of the steps actually taken
+    trainer.model                    # the plain nn.Module being trained (after ModuleValidator.fix)
+    state = trainer.state_dict(); fresh.load_state_dict(state)   # bit-for-bit continuation
+
+``DPSGDConfig`` modes: ``epsilon`` set -> sigma calibrated; ``noise_multiplier`` set (epsilon
+None) -> that sigma is used as is (0 allowed: clipping without noise, epsilon inf); both None ->
+the **non-private baseline**: the same model, sampling, loss scaling and optimizer, but no
+clipping and no noise (ledger records sigma 0, so epsilon is reported as inf).
+
+``noise_augmentation_sigma`` > 0 adds N(0, s^2) noise to every training input (Cohen et al. 2019's
+training for randomized smoothing), drawn from a third explicit generator. Inputs are seen by the
+model only through the loss, so the DP guarantee is unchanged (post-processing of the sample).
+
+Subclasses (SecureSGD) may override :meth:`forward_train` (the logits used in the loss) and extend
+:meth:`state_dict`/:meth:`load_state_dict` with their own state (call ``super()``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dpmech import _validate as v
+from dpmech.accounting import PrivacyLedger, noise_multiplier_for, subsampled_gaussian_event
+
+CLIPPING_MODES = ("ghost", "flat")
+OPTIMIZERS = ("sgd", "adam")
+ACCOUNTANTS = ("rdp", "pld")
+
+# Training-set sizes of the full splits (for planning a trial from its config alone).
+FULL_TRAIN_SIZES = {"mnist": 60000, "fashion_mnist": 60000, "cifar10": 50000}
+
+# Independent streams of the trial seed: Poisson sampling, gradient noise, input augmentation.
+_SAMPLING, _NOISE, _AUGMENT = 1, 2, 3
+
+
+def stream_seed(seed: int, stream: int) -> int:
+    """A 63-bit seed for ``stream`` of ``seed`` (numpy SeedSequence: streams are independent)."""
+    return int(np.random.SeedSequence([int(seed), int(stream)]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+@dataclass
+class DPSGDConfig:
+    """Hyperparameters of one DP-SGD run (see the module docstring for the three modes)."""
+
+    epsilon: float | None = 8.0         # target epsilon (None: noise_multiplier, or non-private)
+    delta: float = 1e-5
+    noise_multiplier: float | None = None  # explicit sigma instead of a target epsilon
+    max_grad_norm: float = 1.0          # C
+    batch_size: int = 256               # expected batch size; q = batch_size / N
+    epochs: int = 5
+    lr: float = 0.1
+    optimizer: str = "sgd"
+    momentum: float = 0.9               # sgd only
+    weight_decay: float = 0.0
+    clipping: str = "ghost"             # ghost | flat
+    noise_augmentation_sigma: float = 0.0
+    accountant: str = "rdp"             # accountant of the calibration (both are reported)
+    seed: int = 0
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.epsilon is not None:
+            v.positive("epsilon", self.epsilon)
+        if self.noise_multiplier is not None:
+            v.non_negative("noise_multiplier", self.noise_multiplier)
+            if self.epsilon is not None:
+                raise ValueError("epsilon: give a target epsilon or a noise_multiplier, not both")
+        v.open_unit("delta", self.delta)
+        v.positive("max_grad_norm", self.max_grad_norm)
+        v.positive_int("batch_size", self.batch_size)
+        v.positive_int("epochs", self.epochs)
+        v.positive("lr", self.lr)
+        v.choice("optimizer", self.optimizer, OPTIMIZERS)
+        v.unit_interval("momentum", self.momentum, high_open=True)
+        v.non_negative("weight_decay", self.weight_decay)
+        v.choice("clipping", self.clipping, CLIPPING_MODES)
+        v.non_negative("noise_augmentation_sigma", self.noise_augmentation_sigma)
+        v.choice("accountant", self.accountant, ACCOUNTANTS)
+        v.positive_int("seed", self.seed, minimum=0)
+
+    @property
+    def private(self) -> bool:
+        """False for the non-private baseline (no clipping, no noise)."""
+        return self.epsilon is not None or self.noise_multiplier is not None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run of ``config`` on N examples will do: q, steps, sigma (None: non-private)."""
+
+    n: int
+    sampling_rate: float
+    steps_per_epoch: int
+    steps: int
+    noise_multiplier: float | None
+
+    def dp_event(self):
+        """The dp-accounting event of the planned run (``NonPrivateDpEvent`` for the baseline)."""
+        return subsampled_gaussian_event(self.sampling_rate, self.noise_multiplier or 0.0, self.steps)
+
+
+def plan(config: DPSGDConfig, n: int) -> Plan:
+    """Sampling rate q = batch_size / n, ceil(n / batch_size) steps per epoch, and the noise
+    multiplier: the config's, or calibrated to (epsilon, delta) over the planned steps."""
+    config.validate()
+    n = v.positive_int("train_size", n)
+    if config.batch_size > n:
+        raise ValueError(f"batch_size: {config.batch_size} exceeds the {n} training examples "
+                         "(the sampling rate batch_size / N must be <= 1)")
+    q = config.batch_size / n
+    per_epoch = -(-n // config.batch_size)
+    steps = per_epoch * config.epochs
+    if config.noise_multiplier is not None:
+        sigma = float(config.noise_multiplier)
+    elif config.epsilon is not None:
+        sigma = calibrated_noise_multiplier(float(config.epsilon), float(config.delta), q, steps, config.accountant)
+    else:
+        sigma = None
+    return Plan(n, q, per_epoch, steps, sigma)
+
+
+@functools.lru_cache(maxsize=256)
+def calibrated_noise_multiplier(epsilon: float, delta: float, sampling_rate: float, steps: int,
+                                accountant: str = "rdp") -> float:
+    """Cached :func:`dpmech.accounting.noise_multiplier_for` (planning a sweep asks many times)."""
+    return noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant=accountant)
+
+
+def make_private_compatible(model: nn.Module) -> nn.Module:
+    """The model checked by Opacus's ``ModuleValidator``; incompatible layers (BatchNorm) are
+    replaced by ``ModuleValidator.fix`` (BatchNorm -> GroupNorm), then validated strictly.
+
+    In-place activations are made out-of-place: Opacus's full backward hooks on a layer refuse
+    an in-place change of that layer's output (the function computed is the same).
+    """
+    from opacus.validators import ModuleValidator
+
+    if not ModuleValidator.is_valid(model):
+        model = ModuleValidator.fix(model)
+    errors = ModuleValidator.validate(model, strict=False)
+    if errors:
+        raise ValueError(f"model: not trainable with per-example gradients after ModuleValidator.fix: {errors[0]}")
+    for m in model.modules():
+        if getattr(m, "inplace", False) is True:
+            m.inplace = False
+    return model
+
+
+class DPSGDTrainer:
+    """DP-SGD on in-memory tensors (any ``nn.Module`` classifier; see the module docstring)."""
+
+    def __init__(self, model: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, config: DPSGDConfig, *,
+                 device: str | torch.device = "cpu"):
+        config.validate()
+        self.config = config
+        self.device = torch.device(device)
+        if x_train.dim() < 2 or x_train.shape[0] != y_train.shape[0]:
+            raise ValueError(f"x_train must be [N, ...] with N labels, got {tuple(x_train.shape)} and {tuple(y_train.shape)}")
+        self.x = x_train.to(self.device)
+        self.y = y_train.to(self.device)
+        self.plan = plan(config, int(x_train.shape[0]))
+        self.model = make_private_compatible(model).to(self.device)
+        self.ledger = PrivacyLedger()
+        self.epoch = 0
+        self.steps = 0
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if config.optimizer == "adam":
+            base = torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+        else:
+            base = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+
+        self.sample_gen = torch.Generator(device="cpu").manual_seed(stream_seed(config.seed, _SAMPLING))
+        self.noise_gen = torch.Generator(device=self.device).manual_seed(stream_seed(config.seed, _NOISE))
+        self.augment_gen = torch.Generator(device=self.device).manual_seed(stream_seed(config.seed, _AUGMENT))
+
+        self.gsm = None
+        self.criterion = None
+        if config.private:
+            self._make_private(base)
+        else:
+            self.optimizer = base
+
+    # -------------------------------------------------------------- construction
+    def _make_private(self, base: torch.optim.Optimizer) -> None:
+        """Opacus's pieces, assembled as ``PrivacyEngine.make_private`` does, but with our own
+        Poisson sampler on tensors and our own ledger (no DataLoader, no Opacus accountant)."""
+        from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+        cfg, sigma = self.config, float(self.plan.noise_multiplier)
+        common = dict(noise_multiplier=sigma, max_grad_norm=cfg.max_grad_norm, expected_batch_size=cfg.batch_size,
+                      loss_reduction="mean", generator=self.noise_gen)
+        if cfg.clipping == "ghost":
+            self.gsm = GradSampleModuleFastGradientClipping(
+                self.model, batch_first=True, loss_reduction="mean", max_grad_norm=cfg.max_grad_norm,
+                use_ghost_clipping=True)
+            self.optimizer = DPOptimizerFastGradientClipping(base, **common)
+            self.criterion = DPLossFastGradientClipping(self.gsm, self.optimizer, nn.CrossEntropyLoss(), "mean")
+        else:
+            self.gsm = GradSampleModule(self.model, batch_first=True, loss_reduction="mean")
+            self.optimizer = DPOptimizer(base, **common)
+        self.gsm.disable_hooks()  # only on inside train_step: evaluation and attacks see a plain model
+
+    @property
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "original_optimizer", self.optimizer)
+
+    @property
+    def noise_multiplier(self) -> float:
+        return float(self.plan.noise_multiplier or 0.0)
+
+    # -------------------------------------------------------------- one step
+    def poisson_batch(self) -> torch.Tensor:
+        """Indices of one Poisson sample: each example independently with probability q."""
+        mask = torch.rand(self.x.shape[0], generator=self.sample_gen) < self.plan.sampling_rate
+        return torch.nonzero(mask, as_tuple=False).squeeze(1).to(self.device)
+
+    def augment(self, xb: torch.Tensor) -> torch.Tensor:
+        s = self.config.noise_augmentation_sigma
+        if s <= 0:
+            return xb
+        return xb + s * torch.randn(xb.shape, generator=self.augment_gen, device=xb.device, dtype=xb.dtype)
+
+    def forward_train(self, xb: torch.Tensor) -> torch.Tensor:
+        """Logits of a training batch (through the Opacus wrapper when private)."""
+        return (self.gsm if self.gsm is not None else self.model)(xb)
+
+    def train_step(self) -> tuple[int, float, int]:
+        """One step of Alg. 1; returns (batch size, summed loss, correct predictions)."""
+        idx = self.poisson_batch()
+        self.model.train()
+        cfg = self.config
+        if idx.numel() == 0:
+            self._empty_step()
+            loss_sum, correct = 0.0, 0
+        else:
+            xb, yb = self.augment(self.x[idx]), self.y[idx]
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.gsm is not None:
+                self.gsm.enable_hooks()
+            try:
+                logits = self.forward_train(xb)
+                per_example = F.cross_entropy(logits, yb, reduction="none")
+                if cfg.private and cfg.clipping == "ghost":
+                    loss = self.criterion(logits, yb)   # packs both backward passes of ghost clipping
+                elif cfg.private:
+                    loss = per_example.mean()            # Opacus rescales the per-example gradients
+                else:
+                    loss = per_example.sum() / cfg.batch_size  # the same scaling, without clipping or noise
+                loss.backward()
+            finally:
+                if self.gsm is not None:
+                    self.gsm.disable_hooks()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)  # frees the per-example gradients
+            loss_sum = float(per_example.detach().sum())
+            correct = int((logits.detach().argmax(1) == yb).sum())
+        self.steps += 1
+        self.ledger.record(self.plan.sampling_rate, self.noise_multiplier if cfg.private else 0.0, 1)
+        return int(idx.numel()), loss_sum, correct
+
+    def _empty_step(self) -> None:
+        """An empty Poisson batch: the clipped sum is zero, the noise is still added and the step taken."""
+        opt = self.optimizer
+        self.base_optimizer.zero_grad(set_to_none=True)
+        if self.config.private:
+            for p in opt.params:
+                p.summed_grad = torch.zeros_like(p)
+            opt.add_noise()
+            opt.scale_grad()
+            for p in opt.params:
+                p.summed_grad = None
+        else:
+            for group in self.base_optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+        self.base_optimizer.step()
+        self.base_optimizer.zero_grad(set_to_none=True)
+
+    # -------------------------------------------------------------- epochs
+    def train_epoch(self, progress=None) -> dict[str, float]:
+        """``ceil(N / batch_size)`` Poisson steps; mean per-example loss and accuracy of the batches."""
+        total, loss_sum, correct = 0, 0.0, 0
+        k = self.plan.steps_per_epoch
+        for b in range(k):
+            n_b, l_b, c_b = self.train_step()
+            total, loss_sum, correct = total + n_b, loss_sum + l_b, correct + c_b
+            if progress is not None:
+                progress(b + 1, k)
+        self.epoch += 1
+        return {"train_loss": loss_sum / max(total, 1), "train_acc": correct / max(total, 1),
+                "batch_size_mean": total / k}
+
+    def fit(self) -> "DPSGDTrainer":
+        while self.epoch < self.config.epochs:
+            self.train_epoch()
+        return self
+
+    @torch.no_grad()
+    def accuracy(self, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1000) -> float:
+        self.model.eval()
+        correct = 0
+        for s in range(0, x.shape[0], batch_size):
+            correct += int((self.model(x[s:s + batch_size].to(self.device)).argmax(1).cpu()
+                            == y[s:s + batch_size].cpu()).sum())
+        return correct / x.shape[0]
+
+    # -------------------------------------------------------------- guarantee
+    def privacy(self) -> dict[str, float]:
+        """The (epsilon, delta) of the steps actually taken (RDP and PLD), with q, sigma and steps."""
+        d = float(self.config.delta)
+        return {"epsilon": self.ledger.epsilon(d, "rdp"), "epsilon_pld": self.ledger.epsilon(d, "pld"),
+                "delta": d, "noise_multiplier": self.noise_multiplier if self.config.private else 0.0,
+                "sampling_rate": float(self.plan.sampling_rate), "steps": float(self.ledger.steps)}
+
+    # -------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict:
+        """A deep copy of everything needed to continue bit for bit: model, optimizer, the three
+        generators, the ledger, epoch and step counters."""
+        return copy.deepcopy({
+            "config": self.config.to_dict(),
+            "model": self.model.state_dict(),
+            "optimizer": self.base_optimizer.state_dict(),
+            "sample_gen": self.sample_gen.get_state(),
+            "noise_gen": self.noise_gen.get_state(),
+            "augment_gen": self.augment_gen.get_state(),
+            "ledger": self.ledger.state_dict(),
+            "epoch": self.epoch,
+            "steps": self.steps,
+        })
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["config"] != self.config.to_dict():
+            raise ValueError("checkpoint config does not match this trainer's config")
+        self.model.load_state_dict(state["model"])
+        self.base_optimizer.load_state_dict(state["optimizer"])
+        self.sample_gen.set_state(state["sample_gen"])
+        self.noise_gen.set_state(state["noise_gen"])
+        self.augment_gen.set_state(state["augment_gen"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.epoch = int(state["epoch"])
+        self.steps = int(state["steps"])
+
+
+def build_dpsgd_model(dataset: str, seed: int = 0) -> nn.Module:
+    """The PixelDP networks without their noise layer (so DP-SGD is compared on the same
+    architecture): the MNIST CNN, or for CIFAR-10 the wide ResNet with BatchNorm replaced by
+    GroupNorm (``ModuleValidator.fix``). Parameters initialised from ``seed`` without touching
+    the global RNG."""
+    from dpmech.models import build_pixeldp_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_pixeldp_model(dataset, None, noise_after=0, seed=seed)
+        return make_private_compatible(model)
