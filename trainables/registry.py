@@ -51,6 +51,11 @@ REGISTRY: dict[str, TrainableEntry] = {
         "dpal", "trainables.dpal:dpal", DPALTrialConfig,
         "DPAL (ICLR 2020 submission, StoBatch lineage): DP auto-encoder and DP adversarial objective with "
         "fixed noise and disjoint batches (Theorem 4), verified inference with the (kappa + phi)_max bound."),
+    "adlm": TrainableEntry(
+        "adlm", "trainables.adlm:adlm", importlib.import_module("trainables.adlm").AdLMTrialConfig,
+        "AdLM (Phan et al., ICDM 2017): LRP relevance released with Laplace noise, relevance-adaptive Laplace "
+        "noise on the first affine transformation, functional-mechanism loss; epsilon = eps_1 + eps_2 + eps_3 "
+        "(the paper's accounting, docs/adlm.md); no certificate."),
 }
 
 
