@@ -1,0 +1,559 @@
+"""Label differential privacy: the labels of the training set are released once through an
+epsilon-DP mechanism, and a freshly initialised network is trained on the images with the
+released labels (docs/label_dp.md).
+
+Neighbouring datasets differ in the label of one example (the images are public to the
+mechanism: label DP protects labels only). The mechanisms, each epsilon-DP with delta = 0:
+
+* ``laplace``, classification (the source document's Task 1): the one-hot label plus i.i.d.
+  Laplace(b) noise on each of the K coordinates; two one-hot vectors differ by
+  ``Delta_1 = ||e_a - e_b||_1 = 2``, so ``b = 2 / epsilon`` (Laplace mechanism, Dwork et al.
+  2006). Post-processing to a label: ``argmax`` of the noisy vector (default), or the source
+  code's clamp-and-round (``clamp_round``), which perturbs the digit value itself:
+  ``clamp(round(y + Lap(b)), 0, K-1)`` with ``Delta_1 = K - 1 = 9`` (the source calibrated that
+  scalar release with Delta = 2, which understates its cost 4.5x; here it uses 9).
+* ``laplace``, regression (Task 2): the digit value as a real label, ``y + Lap(b)`` with
+  ``Delta_1 = K - 1 = 9`` (labels in [0, 9]), ``b = 9 / epsilon``, clamped to [0, 9].
+* ``rr`` (beyond the source; both tasks): K-ary randomized response (Warner 1965; Kairouz et al.
+  2016): keep the true label with probability ``e^eps / (e^eps + K - 1)``, otherwise draw one of the
+  other K - 1 labels uniformly. Every output probability ratio between two inputs is at most e^eps.
+* ``none``: the true labels (the non-private baseline, epsilon = inf).
+
+Every randomized step takes an explicit ``torch.Generator``. The release happens once, in the
+trainer's constructor, before any training step; it is kept in ``state_dict()`` and reused in
+every epoch (redrawing it each epoch, as the source's code does, composes the mechanism once per
+epoch and multiplies epsilon by the number of epochs).
+
+The epsilon reported is computed from what was drawn: ``Delta_1 / b`` for the Laplace scale b
+actually used, and ``log(p (K - 1) / (1 - p))`` for RR's keep probability p actually used.
+``label_epsilon`` gives the exact epsilon of the labels after post-processing (never larger).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dpmech import _validate as v
+from dpmech.mechanisms import laplace_noise, laplace_scale
+
+TASKS = ("classification", "regression")
+MECHANISMS = ("laplace", "rr", "none")
+POSTPROCESS = ("argmax", "clamp_round")
+DATASETS = ("mnist", "fashion_mnist", "cifar10")
+
+#: L1 distance between two distinct one-hot vectors (the source document's Delta f = 2)
+ONE_HOT_SENSITIVITY = 2.0
+
+
+def scalar_sensitivity(num_classes: int) -> float:
+    """L1 sensitivity of the digit value as a label in [0, K - 1]: K - 1 (9 for MNIST)."""
+    return float(v.positive_int("num_classes", num_classes, minimum=2) - 1)
+
+
+# --------------------------------------------------------------------------- randomized response
+
+
+def rr_flip_prob(epsilon: float, num_classes: int) -> float:
+    """Probability that K-ary randomized response replaces the label: ``(K-1) / (e^eps + K - 1)``,
+    written as ``(K-1) e^-eps / (1 + (K-1) e^-eps)`` so it stays representable at large epsilon."""
+    epsilon = v.positive("epsilon", epsilon)
+    k = v.positive_int("num_classes", num_classes, minimum=2)
+    t = (k - 1) * math.exp(-epsilon)
+    return t / (1.0 + t)
+
+
+def rr_keep_prob(epsilon: float, num_classes: int) -> float:
+    """Keep probability of K-ary randomized response: ``e^eps / (e^eps + K - 1)``."""
+    return 1.0 - rr_flip_prob(epsilon, num_classes)
+
+
+def rr_epsilon(flip_prob: float, num_classes: int) -> float:
+    """Epsilon of K-ary RR with this flip probability q: the largest output ratio is
+    ``(1 - q) / (q / (K - 1))`` (keep vs. one given other label); inf if q = 0."""
+    k = v.positive_int("num_classes", num_classes, minimum=2)
+    q = v.unit_interval("flip_prob", flip_prob)
+    if q > (k - 1) / k:
+        raise ValueError(f"flip_prob must be <= (K-1)/K = {(k - 1) / k:.6g} (more flips favour another label), got {q}")
+    if q == 0.0:
+        return math.inf
+    return max(0.0, math.log1p(-q) + math.log(k - 1) - math.log(q))
+
+
+def rr_output_matrix(keep_prob: float, num_classes: int) -> np.ndarray:
+    """``M[y, o] = P(output o | true label y)`` of K-ary RR with keep probability p: p on the
+    diagonal, ``(1 - p) / (K - 1)`` elsewhere (for exact enumeration in tests and reports)."""
+    k = v.positive_int("num_classes", num_classes, minimum=2)
+    p = v.unit_interval("keep_prob", keep_prob)
+    m = np.full((k, k), (1.0 - p) / (k - 1))
+    np.fill_diagonal(m, p)
+    return m
+
+
+def randomized_response(y: torch.Tensor, num_classes: int, flip_prob: float,
+                        generator: torch.Generator) -> torch.Tensor:
+    """K-ary randomized response of integer labels ``y`` (a new int64 tensor on y's device).
+
+    For each label: with probability ``flip_prob`` it is replaced by ``(y + 1 + J) mod K`` with J
+    uniform on {0, ..., K-2} (uniform over the K - 1 other labels), otherwise kept. The
+    uniform draw is float64, so a flip probability below 2^-53 is rounded up to 2^-53 (more
+    flips, never fewer: the guarantee only gets stronger).
+    """
+    k = v.positive_int("num_classes", num_classes, minimum=2)
+    q = v.unit_interval("flip_prob", flip_prob)
+    _check_labels(y, k)
+    _check_generator(generator)
+    yc = y.detach().to("cpu", torch.int64)
+    u = torch.rand(yc.shape, generator=generator, dtype=torch.float64)
+    j = torch.randint(0, k - 1, yc.shape, generator=generator)
+    flipped = (yc + 1 + j) % k
+    return torch.where(u < q, flipped, yc).to(y.device)
+
+
+# --------------------------------------------------------------------------- Laplace mechanisms
+
+
+def laplace_one_hot(y: torch.Tensor, num_classes: int, scale: float, generator: torch.Generator) -> torch.Tensor:
+    """One-hot labels plus i.i.d. Laplace(scale) noise on every coordinate (float64 [N, K], CPU)."""
+    k = v.positive_int("num_classes", num_classes, minimum=2)
+    _check_labels(y, k)
+    one_hot = F.one_hot(y.detach().to("cpu", torch.int64), k).to(torch.float64)
+    return one_hot + laplace_noise(one_hot, scale, generator)
+
+
+def laplace_value(y: torch.Tensor, scale: float, generator: torch.Generator) -> torch.Tensor:
+    """The digit value as a real label plus Laplace(scale) noise (float64 [N], CPU)."""
+    value = y.detach().to("cpu", torch.float64)
+    return value + laplace_noise(value, scale, generator)
+
+
+def _laplace_interval_logprob(lo: float, hi: float, b: float) -> float:
+    """log P(lo <= L < hi) for L ~ Laplace(0, b), accurate in the far tails (log space)."""
+    if lo >= hi:
+        return -math.inf
+    if lo >= 0:
+        tail = 0.0 if hi == math.inf else math.exp(-(hi - lo) / b)
+        return math.log(0.5) - lo / b + math.log1p(-tail)
+    if hi <= 0:
+        return _laplace_interval_logprob(-hi, -lo, b)
+    left = 0.0 if lo == -math.inf else 0.5 * math.exp(lo / b)
+    right = 0.0 if hi == math.inf else 0.5 * math.exp(-hi / b)
+    return math.log1p(-(left + right))
+
+
+def clamp_round_log_matrix(scale: float, num_classes: int) -> np.ndarray:
+    """``log P(output o | label y)`` of ``clamp(round(y + Lap(scale)), 0, K-1)``: output o collects
+    ``y + L`` in [o - 1/2, o + 1/2), the end labels collect everything beyond them."""
+    b = v.positive("scale", scale)
+    k = v.positive_int("num_classes", num_classes, minimum=2)
+    out = np.empty((k, k))
+    for y in range(k):
+        for o in range(k):
+            lo = -math.inf if o == 0 else o - 0.5 - y
+            hi = math.inf if o == k - 1 else o + 0.5 - y
+            out[y, o] = _laplace_interval_logprob(lo, hi, b)
+    return out
+
+
+def clamp_round_keep_prob(scale: float, num_classes: int, label_freq=None) -> float:
+    """P(clamp(round(y + Lap(scale)), 0, K-1) = y), averaged over ``label_freq`` (default uniform):
+    ``1 - e^(-1/(2b))`` for inner labels and ``1 - e^(-1/(2b)) / 2`` for 0 and K - 1."""
+    diag = np.exp(np.diag(clamp_round_log_matrix(scale, num_classes)))
+    w = _label_weights(label_freq, num_classes)
+    return float(np.dot(w, diag))
+
+
+def laplace_argmax_flip_prob(epsilon: float, num_classes: int, sensitivity: float = ONE_HOT_SENSITIVITY) -> float:
+    """P(argmax(e_y + Lap(b)^K) != y) with ``b = sensitivity / epsilon``, by numerical integration.
+
+    The true class scores 1 + N_y, each other class N_j, all i.i.d. Laplace(b); it wins iff every
+    N_j < 1 + N_y, so the keep probability is  integral f(t) F(1 + t)^(K-1) dt  (f, F the Laplace
+    density and CDF) and the flip probability  integral f(t) (1 - F(1 + t)^(K-1)) dt. In units of b
+    (c = 1/b), integrated on the pieces where the integrand is smooth, (-inf, -c), (-c, 0),
+    (0, inf), with ``1 - F^(K-1)`` as ``-expm1((K-1) log F)`` so that tiny flip probabilities (large
+    epsilon) keep their relative accuracy. Ties have probability 0.
+    """
+    from scipy.integrate import quad
+
+    epsilon = v.positive("epsilon", epsilon)
+    k = v.positive_int("num_classes", num_classes, minimum=2)
+    c = 1.0 / laplace_scale(epsilon, sensitivity)
+
+    def log_cdf(x: float) -> float:
+        return math.log(0.5) + x if x < 0 else math.log1p(-0.5 * math.exp(-x))
+
+    def integrand(u: float) -> float:
+        return 0.5 * math.exp(-abs(u)) * -math.expm1((k - 1) * log_cdf(u + c))
+
+    total = 0.0
+    for lo, hi in ((-math.inf, -c), (-c, 0.0), (0.0, math.inf)):
+        val, _ = quad(integrand, lo, hi, epsabs=0.0, epsrel=1e-11, limit=200)
+        total += val
+    return min(max(total, 0.0), (k - 1) / k)
+
+
+def laplace_argmax_keep_prob(epsilon: float, num_classes: int, sensitivity: float = ONE_HOT_SENSITIVITY) -> float:
+    """P(argmax(e_y + Lap(b)^K) = y): one minus ``laplace_argmax_flip_prob``."""
+    return 1.0 - laplace_argmax_flip_prob(epsilon, num_classes, sensitivity)
+
+
+def laplace_keep_prob(epsilon: float, num_classes: int, *, task: str = "classification",
+                      postprocess: str = "argmax", label_freq=None) -> float:
+    """Keep probability of the Laplace label release at ``epsilon`` (see ``analytic_keep_prob``)."""
+    v.choice("task", task, TASKS)
+    v.choice("postprocess", postprocess, POSTPROCESS)
+    if task == "classification" and postprocess == "argmax":
+        return laplace_argmax_keep_prob(epsilon, num_classes)
+    return clamp_round_keep_prob(laplace_scale(epsilon, scalar_sensitivity(num_classes)), num_classes, label_freq)
+
+
+def analytic_keep_prob(mechanism: str, epsilon: float | None, num_classes: int, *,
+                       task: str = "classification", postprocess: str = "argmax", label_freq=None) -> float:
+    """The exact probability that a training label comes out of the release unchanged.
+
+    rr: ``e^eps / (e^eps + K - 1)``; laplace + argmax: ``laplace_argmax_keep_prob``; laplace +
+    clamp_round and laplace regression (a released value counts as kept when it rounds to the
+    true digit): ``clamp_round_keep_prob`` averaged over ``label_freq``; none: 1.
+    """
+    v.choice("mechanism", mechanism, MECHANISMS)
+    if mechanism == "none" or epsilon is None:
+        return 1.0
+    if mechanism == "rr":
+        return rr_keep_prob(epsilon, num_classes)
+    return laplace_keep_prob(epsilon, num_classes, task=task, postprocess=postprocess, label_freq=label_freq)
+
+
+# --------------------------------------------------------------------------- the release
+
+
+@dataclass
+class LabelRelease:
+    """The released training labels and the parameters actually used to draw them."""
+
+    labels: torch.Tensor          # int64 [N] (classification) or float32 [N] (regression)
+    task: str
+    mechanism: str                # "laplace", "rr" or "none"
+    postprocess: str
+    num_classes: int
+    noise_scale: float = math.nan   # Laplace scale b actually used
+    sensitivity: float = math.nan   # L1 sensitivity the scale was calibrated to
+    flip_prob: float = math.nan     # RR flip probability actually used
+
+    def epsilon(self) -> float:
+        """Epsilon of the release (delta = 0), from the drawn mechanism's parameters."""
+        if self.mechanism == "none":
+            return math.inf
+        if self.mechanism == "rr":
+            return rr_epsilon(self.flip_prob, self.num_classes)
+        return self.sensitivity / self.noise_scale
+
+    def label_epsilon(self) -> float:
+        """Exact epsilon of the labels after post-processing (<= ``epsilon()``).
+
+        argmax: the output is RR-shaped (keep p, each other label (1-p)/(K-1) by symmetry), so
+        ``log(p (K-1) / (1-p))``; clamp_round: the largest log-ratio of the exact output matrix;
+        regression: clamping keeps atoms at 0 and 9 whose ratio is exactly e^eps, so epsilon.
+        """
+        if self.mechanism != "laplace":
+            return self.epsilon()
+        if self.task == "regression":
+            return self.epsilon()
+        if self.postprocess == "argmax":
+            q = laplace_argmax_flip_prob(self.epsilon(), self.num_classes, self.sensitivity)
+            return rr_epsilon(q, self.num_classes)
+        lm = clamp_round_log_matrix(self.noise_scale, self.num_classes)
+        return float(max(0.0, (lm.max(axis=0) - lm.min(axis=0)).max()))
+
+    def kept(self, y: torch.Tensor) -> torch.Tensor:
+        """Boolean [N]: the released label equals the true one (regression: rounds to it)."""
+        lab = self.labels.to(y.device)
+        if self.task == "regression":
+            lab = torch.round(lab)
+        return lab.to(torch.int64) == y.to(torch.int64)
+
+    def meta(self) -> dict:
+        out = asdict(self)
+        out.pop("labels")
+        return out
+
+
+def release_labels(y: torch.Tensor, *, num_classes: int, task: str, mechanism: str, epsilon: float | None,
+                   generator: torch.Generator, postprocess: str = "argmax") -> LabelRelease:
+    """Release the labels ``y`` once through the chosen mechanism (see the module docstring).
+
+    ``epsilon=None`` or ``mechanism="none"``: the true labels (no noise, epsilon = inf).
+    The returned labels live on CPU; the noisy one-hot vectors are not kept (only their argmax).
+    """
+    k = v.positive_int("num_classes", num_classes, minimum=2)
+    v.choice("task", task, TASKS)
+    v.choice("mechanism", mechanism, MECHANISMS)
+    v.choice("postprocess", postprocess, POSTPROCESS)
+    _check_labels(y, k)
+    _check_generator(generator)
+    y = y.detach().to("cpu", torch.int64)
+    if mechanism == "none" or epsilon is None:
+        labels = y.clone() if task == "classification" else y.to(torch.float32)
+        return LabelRelease(labels, task, "none", postprocess, k)
+    epsilon = v.positive("epsilon", epsilon)
+    if mechanism == "rr":
+        q = rr_flip_prob(epsilon, k)
+        labels = randomized_response(y, k, q, generator)
+        if task == "regression":
+            labels = labels.to(torch.float32)
+        return LabelRelease(labels, task, "rr", postprocess, k, flip_prob=q)
+    if task == "classification" and postprocess == "argmax":
+        sens = ONE_HOT_SENSITIVITY
+        b = laplace_scale(epsilon, sens)
+        labels = laplace_one_hot(y, k, b, generator).argmax(dim=1)
+        return LabelRelease(labels, task, "laplace", postprocess, k, noise_scale=b, sensitivity=sens)
+    sens = scalar_sensitivity(k)
+    b = laplace_scale(epsilon, sens)
+    value = laplace_value(y, b, generator).clamp_(0.0, k - 1.0)   # post-processing into [0, K-1]
+    if task == "classification":                                   # clamp_round: the source's labels
+        labels = torch.round(value).to(torch.int64)
+    else:
+        labels = value.to(torch.float32)
+    return LabelRelease(labels, task, "laplace", postprocess, k, noise_scale=b, sensitivity=sens)
+
+
+# --------------------------------------------------------------------------- model and trainer
+
+
+class LabelDPCNN(nn.Module):
+    """The source document's small CNN: two 3x3 convolutions (32 and 64 channels, ELU, 2x2 max
+    pooling), a 32-unit ELU layer and a linear head with ``out_dim`` outputs (10 class scores, or
+    1 value for regression). The source's ELU after the class scores is dropped (it bounds the
+    logits below by -1 for no benefit)."""
+
+    def __init__(self, input_shape: tuple[int, int, int] = (1, 28, 28), out_dim: int = 10):
+        super().__init__()
+        c, h, w = input_shape
+        self.input_shape = tuple(input_shape)
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 32, 3, padding=1), nn.ELU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ELU(), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64 * (h // 4) * (w // 4), 32), nn.ELU(),
+                                  nn.Linear(32, out_dim))
+        self.out_dim = out_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.head(self.features(x))
+        return out.squeeze(1) if self.out_dim == 1 else out
+
+
+@dataclass
+class LabelDPConfig:
+    """Hyperparameters of one label-DP run (defaults: the source's Adam, lr 1e-3, batches of 100)."""
+
+    dataset: str = "mnist"
+    task: str = "classification"      # "classification" (cross-entropy) or "regression" (MSE on the digit)
+    mechanism: str = "laplace"        # "laplace", "rr" or "none"
+    epsilon: float | None = 1.0       # None: non-private baseline (true labels)
+    postprocess: str = "argmax"       # classification + laplace only: "argmax" or "clamp_round"
+    epochs: int = 5
+    batch_size: int = 100
+    lr: float = 1e-3
+    seed: int = 0
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        v.choice("dataset", self.dataset, DATASETS)
+        v.choice("task", self.task, TASKS)
+        v.choice("mechanism", self.mechanism, MECHANISMS)
+        v.choice("postprocess", self.postprocess, POSTPROCESS)
+        if self.epsilon is not None:
+            v.positive("epsilon", self.epsilon)
+        if self.mechanism == "none" and self.epsilon is not None:
+            raise ValueError(f"epsilon must be null when mechanism is 'none' (no noise, no epsilon), got {self.epsilon}")
+        if self.postprocess != "argmax" and (self.task != "classification" or self.mechanism != "laplace"):
+            raise ValueError("postprocess 'clamp_round' applies to task 'classification' with mechanism 'laplace' only")
+        v.positive_int("epochs", self.epochs)
+        v.positive_int("batch_size", self.batch_size)
+        v.positive("lr", self.lr)
+        v.positive_int("seed", self.seed, minimum=0)
+
+    @property
+    def private(self) -> bool:
+        return self.mechanism != "none" and self.epsilon is not None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def derive_seed(seed: int, stream: int) -> int:
+    """Independent seeds for the streams of one trial (0: init, 1: shuffling, 2: label release)."""
+    return int(np.random.SeedSequence([int(seed), int(stream)]).generate_state(1)[0])
+
+
+class LabelDPTrainer:
+    """Releases the training labels once (constructor), then trains a fresh ``LabelDPCNN`` on the
+    images and the released labels epoch by epoch. Inputs in [-1, 1], labels int in [0, K-1]."""
+
+    def __init__(self, config: LabelDPConfig, x_train: torch.Tensor, y_train: torch.Tensor, *,
+                 num_classes: int = 10, device: str | torch.device = "cpu"):
+        config.validate()
+        self.config = config
+        self.device = torch.device(device)
+        self.num_classes = v.positive_int("num_classes", num_classes, minimum=2)
+        if x_train.dim() != 4 or x_train.shape[0] != y_train.shape[0] or x_train.shape[0] == 0:
+            raise ValueError(f"x_train must be [N, C, H, W] with N >= 1 labels, got {tuple(x_train.shape)} "
+                             f"and {tuple(y_train.shape)}")
+        _check_labels(y_train, self.num_classes)
+        self.x = x_train.to(self.device)
+        self.y_true = y_train.to(self.device, torch.int64)
+        # 1. the release: drawn once, before training, from its own generator
+        self.label_gen = torch.Generator(device="cpu").manual_seed(derive_seed(config.seed, 2))
+        self.release = release_labels(y_train, num_classes=self.num_classes, task=config.task,
+                                      mechanism=config.mechanism if config.private else "none",
+                                      epsilon=config.epsilon, generator=self.label_gen,
+                                      postprocess=config.postprocess)
+        self.labels = self.release.labels.to(self.device)
+        # 2. a freshly initialised network (global RNG untouched)
+        out_dim = self.num_classes if config.task == "classification" else 1
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(config.seed, 0))
+            self.model = LabelDPCNN(tuple(x_train.shape[1:]), out_dim).to(self.device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
+        self.shuffle_gen = torch.Generator(device="cpu").manual_seed(derive_seed(config.seed, 1))
+        self.epoch = 0
+        self.steps = 0
+
+    # ------------------------------------------------------------------ training
+    def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.config.task == "classification":
+            return F.cross_entropy(out, target)
+        return F.mse_loss(out, target)
+
+    def train_epoch(self, progress=None) -> dict[str, float]:
+        """One pass over the training set in a fresh order, on the released labels (never redrawn)."""
+        cfg = self.config
+        self.model.train()
+        n = self.x.shape[0]
+        order = torch.randperm(n, generator=self.shuffle_gen).to(self.device)
+        nb = math.ceil(n / cfg.batch_size)
+        total = 0.0
+        for b in range(nb):
+            idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
+            loss = self._loss(self.model(self.x[idx]), self.labels[idx])
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.steps += 1
+            total += loss.item() * len(idx)
+            if progress is not None:
+                progress(b + 1, nb)
+        self.epoch += 1
+        return {"train_loss": total / n}
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor, batch_size: int = 1000) -> torch.Tensor:
+        """Class predictions (classification) or real-valued predictions (regression), on CPU."""
+        self.model.eval()
+        out = [self.model(x[s:s + batch_size].to(self.device)).cpu() for s in range(0, x.shape[0], batch_size)]
+        out = torch.cat(out)
+        return out.argmax(1) if self.config.task == "classification" else out
+
+    def predict_labels(self, x: torch.Tensor) -> torch.Tensor:
+        """Predicted labels; regression predictions are rounded to the nearest digit in [0, K-1]."""
+        p = self.predict(x)
+        if self.config.task == "regression":
+            p = torch.round(p.clamp(0.0, self.num_classes - 1.0)).to(torch.int64)
+        return p
+
+    def accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Test accuracy (regression: of the rounded predictions; the per-epoch ``test_acc``)."""
+        return float((self.predict_labels(x) == y.cpu()).float().mean())
+
+    def mse(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Mean squared error of the raw regression output against the true digit (the source's MSE)."""
+        if self.config.task != "regression":
+            raise ValueError("mse is defined for task 'regression' only")
+        return float(((self.predict(x).double() - y.cpu().double()) ** 2).mean())
+
+    # ------------------------------------------------------------------ privacy
+    def label_keep_rate(self) -> float:
+        """Fraction of training labels the release kept (regression: released value rounds to y)."""
+        return float(self.release.kept(self.y_true).float().mean())
+
+    def privacy(self) -> dict[str, float]:
+        """epsilon (delta = 0) from the drawn mechanism's parameters, the exact label-level epsilon,
+        the measured and the analytic keep probability (for RR: 1 - the flip probability used), and
+        the Laplace scale actually used (0 for RR and the baseline)."""
+        r = self.release
+        freq = np.bincount(self.y_true.cpu().numpy(), minlength=self.num_classes) / self.y_true.numel()
+        eps = r.epsilon()
+        return {
+            "epsilon": eps,
+            "delta": 0.0,
+            "label_epsilon": r.label_epsilon(),
+            "label_keep_rate": self.label_keep_rate(),
+            "analytic_keep_prob": analytic_keep_prob(
+                r.mechanism, None if r.mechanism == "none" else eps, self.num_classes, task=r.task,
+                postprocess=r.postprocess, label_freq=freq),
+            "noise_scale": r.noise_scale if r.mechanism == "laplace" else 0.0,
+        }
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict:
+        """A snapshot of everything needed to continue bit for bit, the released labels included."""
+        return copy.deepcopy({
+            "config": self.config.to_dict(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "shuffle_gen": self.shuffle_gen.get_state(),
+            "label_gen": self.label_gen.get_state(),
+            "labels": self.labels.detach().cpu(),
+            "release": self.release.meta(),
+            "epoch": self.epoch,
+            "steps": self.steps,
+        })
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a snapshot; the released labels come from it (they are never drawn again)."""
+        if state["config"] != self.config.to_dict():
+            raise ValueError("checkpoint config does not match this trainer's config")
+        labels = state["labels"]
+        if tuple(labels.shape) != (self.x.shape[0],):
+            raise ValueError(f"checkpoint labels have shape {tuple(labels.shape)}, the training set {self.x.shape[0]} examples")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.shuffle_gen.set_state(state["shuffle_gen"])
+        self.label_gen.set_state(state["label_gen"])
+        self.release = LabelRelease(labels.clone(), **state["release"])
+        self.labels = self.release.labels.to(self.device)
+        self.epoch = int(state["epoch"])
+        self.steps = int(state["steps"])
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_generator(generator) -> None:
+    if not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator (every random draw takes one explicitly), "
+                         f"got {type(generator).__name__}")
+
+
+def _check_labels(y: torch.Tensor, k: int) -> None:
+    if not torch.is_tensor(y) or y.dim() != 1 or y.dtype.is_floating_point or y.dtype == torch.bool:
+        raise ValueError(f"y must be a 1-D integer tensor of labels, got {getattr(y, 'dtype', type(y).__name__)}")
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= k):
+        raise ValueError(f"y must hold labels in [0, {k - 1}], got [{int(y.min())}, {int(y.max())}]")
+
+
+def _label_weights(label_freq, k: int) -> np.ndarray:
+    if label_freq is None:
+        return np.full(k, 1.0 / k)
+    w = np.asarray(label_freq, dtype=np.float64)
+    if w.shape != (k,) or (w < 0).any() or not np.isfinite(w).all() or w.sum() <= 0:
+        raise ValueError(f"label_freq must be {k} non-negative finite weights with a positive sum")
+    return w / w.sum()

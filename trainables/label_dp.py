@@ -1,0 +1,102 @@
+"""The ``label_dp`` trainable: label differential privacy (Laplace or randomized response on the
+training labels, released once per trial) under Ray Tune.
+
+Use it in your own study::
+
+    from ray import tune
+    from trainables.label_dp import label_dp
+    tune.Tuner(label_dp, param_space={"mechanism": tune.grid_search(["laplace", "rr"]),
+                                      "epsilon": tune.grid_search([0.1, 1.0, 10.0])}).fit()
+
+Every key and its default: ``LabelDPTrialConfig`` below (``dpsweep mechanisms``). The mechanism
+itself is ``dpmech.label_dp``; the decisions it takes are in docs/label_dp.md.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from trainables.config import CommonConfig
+from trainables.runtime import TrainerMechanism, run_trial
+
+
+class LabelDPTrialConfig(CommonConfig):
+    """Label DP (docs/label_dp.md): the training labels released once through an epsilon-DP
+    mechanism (Laplace on one-hot or scalar labels, or K-ary randomized response), a fresh CNN
+    trained on them. The guarantee covers labels only, not images."""
+
+    task: Literal["classification", "regression"] = Field(
+        "classification", description="classification (cross-entropy on labels) or regression (MSE on the digit value)")
+    mechanism: Literal["laplace", "rr", "none"] = Field(
+        "laplace", description="laplace (one-hot + Lap(2/eps), or digit + Lap(9/eps) for regression), rr (K-ary "
+        "randomized response) or none (the non-private baseline; epsilon must be null)")
+    epsilon: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
+        1.0, description="label-DP epsilon of the release (delta = 0); null = non-private baseline (true labels)")
+    postprocess: Literal["argmax", "clamp_round"] = Field(
+        "argmax", description="classification + laplace: argmax of the noisy one-hot vector, or the source's "
+        "clamp(round(digit + Lap(9/eps)), 0, 9)")
+    epochs: int = Field(5, gt=0, description="training epochs (the labels are released once, before the first)")
+    batch_size: int = Field(100, gt=0, description="minibatch size")
+    lr: float = Field(1e-3, gt=0, allow_inf_nan=False, description="Adam learning rate")
+    certify_images: int = Field(0, ge=0, le=0, description="label DP has no certificate: must be 0")
+
+    # Label DP protects labels only: a neighbouring dataset that changes an image is not covered,
+    # so the membership audit (which inserts whole examples) has no claim to test.
+    protects_training_examples: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _mechanism_rules(self):
+        label_dp_config(self)  # raises ValueError naming the field
+        if self.task == "regression" and self.attacks:
+            raise ValueError("attacks: adversarial accuracy is defined for task 'classification' only")
+        return self
+
+    def smoothing_unavailable(self) -> str | None:
+        return "label DP adds no noise to the model's input"
+
+
+def label_dp_config(cfg: LabelDPTrialConfig):
+    """The dpmech configuration of a trial."""
+    from dpmech.label_dp import LabelDPConfig
+
+    return LabelDPConfig(dataset=cfg.dataset, task=cfg.task, mechanism=cfg.mechanism, epsilon=cfg.epsilon,
+                         postprocess=cfg.postprocess, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
+                         seed=cfg.seed)
+
+
+class LabelDPMechanism(TrainerMechanism):
+    """Adapter from the trial config to ``dpmech.label_dp.LabelDPTrainer``."""
+
+    def __init__(self, cfg: LabelDPTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
+        from dpmech.data import num_classes
+        from dpmech.label_dp import LabelDPTrainer
+
+        self.trainer = LabelDPTrainer(label_dp_config(cfg), x, y, num_classes=num_classes(cfg.dataset), device=device)
+
+    def privacy(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.trainer.privacy().items()}
+
+    def conventional_accuracy(self, x, y, cfg: LabelDPTrialConfig) -> dict[str, float]:
+        """Classification: the project's default (acc_clean and every configured attack).
+        Regression: ``mse`` of the raw output and ``acc_clean`` of the rounded predictions."""
+        if cfg.task == "regression":
+            return {"mse": self.trainer.mse(x, y), "acc_clean": self.trainer.accuracy(x, y)}
+        from dpmech.evaluation import conventional_accuracy
+
+        return conventional_accuracy(self.model, x, y, attacks=cfg.attacks, norm=cfg.attack_norm,
+                                     n_predict=cfg.n_predict, eot_samples=cfg.eot_samples, steps=cfg.attack_steps,
+                                     seed=cfg.seed)
+
+    def certify(self, x, y, cfg):
+        return None  # label DP gives no robustness certificate
+
+    def smoothing_classifier(self):
+        return None
+
+
+def label_dp(config: dict) -> None:
+    """Ray Tune function trainable for label DP (flat config; see the module docstring)."""
+    run_trial(config, LabelDPTrialConfig, LabelDPMechanism, "label_dp")
