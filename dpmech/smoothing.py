@@ -231,7 +231,8 @@ def predict(base: torch.nn.Module, sigma: float, x: torch.Tensor, *, n: int = 10
     rows = np.arange(counts.shape[0])
     c_a = order[:, 0]
     n_a, n_b = counts[rows, c_a], counts[rows, order[:, 1]]
-    pvalue = np.array([binomtest(int(a), int(a + b), 0.5).pvalue for a, b in zip(n_a, n_b)])
+    pairs, where = np.unique(np.stack([n_a, n_b], axis=1), axis=0, return_inverse=True)
+    pvalue = np.array([binomtest(int(a), int(a + b), 0.5).pvalue for a, b in pairs])[where.reshape(-1)]
     return np.where(pvalue <= alpha, c_a, ABSTAIN).astype(np.int64)
 
 

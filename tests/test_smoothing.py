@@ -23,6 +23,15 @@ from dpmech.noise_layer import NoiseLayer
 SIGMA = 0.25
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # the linear models' forward passes are tiny: one thread avoids the cost of synchronising two
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 class Linear2(nn.Module):
     """Logits [m, -m] with m = w.x + b: class 0 on the positive side of the hyperplane."""
 
@@ -90,7 +99,7 @@ def test_certified_radius_never_exceeds_the_true_distance(dist, monkeypatch):
 
 def test_certified_radius_approaches_the_distance_as_n_grows():
     model, w, b = _setup()
-    dist, copies = 0.1, 20
+    dist, copies = 0.1, 10
     x, cls = _at_distance(w, b, dist, copies)
     gen = torch.Generator().manual_seed(3)
     gaps = []
@@ -214,9 +223,9 @@ def pixeldp_input_noise():
     from trainables.pixeldp import PixelDPMechanism
 
     torch.manual_seed(0)
-    cfg = PixelDPTrialConfig(noise_after=0, certifier="both", epochs=1, batch_size=64, lr=3e-3, certify_images=12,
-                             certify_n=200, smoothing_n0=20, smoothing_alpha=0.01, certify_sizes=[0.0, 0.1, 0.3])
-    train, test = load_splits("mnist", train_size=512, test_size=64, seed=0)
+    cfg = PixelDPTrialConfig(noise_after=0, certifier="both", epochs=1, batch_size=64, lr=3e-3, certify_images=10,
+                             certify_n=100, smoothing_n0=20, smoothing_alpha=0.01, certify_sizes=[0.0, 0.1, 0.3])
+    train, test = load_splits("mnist", train_size=512, test_size=32, seed=0)
     mech = PixelDPMechanism(cfg, *train.tensors, torch.device("cpu"))
     mech.train_epoch()
     return mech, cfg, test.tensors
@@ -250,9 +259,9 @@ def test_smoothing_classifier_only_for_gaussian_noise_on_the_input():
 def test_smoothing_on_the_pixeldp_cnn_certifies_at_least_its_bound(pixeldp_input_noise):
     mech, _, (xt, yt) = pixeldp_input_noise
     base, sigma = mech.smoothing_classifier()
-    x, y = xt[:16], yt[:16]
-    pdp = pixeldp_certify(mech.model, x, y, n=400, eta=0.95)
-    sm = smoothing.certify(base, sigma, x, y, n0=20, n=380, alpha=0.05, generator=torch.Generator().manual_seed(11))
+    x, y = xt[:12], yt[:12]
+    pdp = pixeldp_certify(mech.model, x, y, n=300, eta=0.95)
+    sm = smoothing.certify(base, sigma, x, y, n0=20, n=280, alpha=0.05, generator=torch.Generator().manual_seed(11))
     both = (pdp.certified_size > 0) & (sm.radius > 0)
     assert both.sum() >= 4
     assert np.mean(sm.radius[both] >= pdp.certified_size[both]) >= 0.9
