@@ -1,0 +1,106 @@
+"""The ``dpsgd`` trainable: DP-SGD (Abadi et al. 2016) through Opacus under Ray Tune.
+
+Use it in your own study::
+
+    from ray import tune
+    from trainables.dpsgd import dpsgd
+    tune.Tuner(dpsgd, param_space={"epsilon": tune.grid_search([1.0, 8.0]), "epochs": 2}).fit()
+
+The model is the PixelDP network without its noise layer (the MNIST CNN; for CIFAR-10 the wide
+ResNet with GroupNorm), so DP-SGD is compared on the same architecture. ``epsilon: null`` trains
+the non-private baseline (no clipping, no noise; epsilon reported as inf). Every key and its
+default: :class:`DPSGDTrialConfig` (``dpsweep mechanisms``); the mechanism: docs/dpsgd.md.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from trainables.config import CommonConfig
+from trainables.runtime import TrainerMechanism, run_trial
+
+
+class DPSGDTrialConfig(CommonConfig):
+    """DP-SGD (Abadi et al. 2016): Poisson sampling, per-example clipping, calibrated Gaussian noise."""
+
+    epsilon: float | None = Field(
+        1.0, gt=0, allow_inf_nan=False,
+        description="target epsilon of the whole training run (noise calibrated by RDP over the planned steps); "
+                    "null = non-private baseline of the same network (no clipping, no noise)")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of the guarantee (add/remove one training example)")
+    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False, description="C: per-example gradient clipping bound (l2)")
+    batch_size: int = Field(256, gt=0, description="expected batch size; Poisson sampling rate q = batch_size / train_size")
+    epochs: int = Field(5, gt=0, description="training epochs of ceil(train_size / batch_size) steps")
+    lr: float = Field(0.5, gt=0, allow_inf_nan=False, description="learning rate")
+    optimizer: Literal["sgd", "adam"] = Field("sgd", description="optimizer applied to the noisy gradient")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="L2 weight decay")
+    clipping: Literal["ghost", "flat"] = Field(
+        "ghost", description="ghost: Opacus ghost clipping (fast, no per-example gradients stored); "
+                             "flat: per-example gradients by hooks, then flat clipping (same result, slower)")
+    noise_augmentation_sigma: float = Field(
+        0.0, ge=0, allow_inf_nan=False,
+        description="std of Gaussian noise added to training inputs ([-1, 1] domain); > 0 makes the model a "
+                    "randomized-smoothing base classifier with this sigma")
+    accountant: Literal["rdp", "pld"] = Field("rdp", description="accountant used to calibrate the noise (both are reported)")
+
+    protects_training_examples: ClassVar[bool] = True
+
+
+def planned_train_size(cfg: DPSGDTrialConfig) -> int:
+    """N of the privacy plan: train_size, or the full training split."""
+    from dpmech.dpsgd import FULL_TRAIN_SIZES
+
+    return int(cfg.train_size) if cfg.train_size is not None else FULL_TRAIN_SIZES[cfg.dataset]
+
+
+def dpsgd_config(cfg: DPSGDTrialConfig):
+    """The dpmech configuration of a trial (one-line ValueError naming the key on a bad value)."""
+    from dpmech.dpsgd import DPSGDConfig
+
+    return DPSGDConfig(epsilon=cfg.epsilon, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
+                       batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr, optimizer=cfg.optimizer,
+                       momentum=cfg.momentum, weight_decay=cfg.weight_decay, clipping=cfg.clipping,
+                       noise_augmentation_sigma=cfg.noise_augmentation_sigma, accountant=cfg.accountant,
+                       seed=cfg.seed)
+
+
+def privacy_event(cfg: DPSGDTrialConfig):
+    """The dp-accounting event of one trial, planned from its config: exactly what the trainer
+    records when the trial runs to the end (the same q, sigma and number of steps)."""
+    from dpmech.dpsgd import plan
+
+    return plan(dpsgd_config(cfg), planned_train_size(cfg)).dp_event()
+
+
+PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "dataset", "accountant")
+
+
+class DPSGDMechanism(TrainerMechanism):
+    """Adapter from the trial config to ``dpmech.dpsgd.DPSGDTrainer``."""
+
+    def __init__(self, cfg: DPSGDTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
+        from dpmech.dpsgd import DPSGDTrainer, build_dpsgd_model
+
+        self.sigma = float(cfg.noise_augmentation_sigma)
+        self.trainer = DPSGDTrainer(build_dpsgd_model(cfg.dataset, cfg.seed), x, y, dpsgd_config(cfg),
+                                    device=device, plan_size=planned_train_size(cfg))
+
+    def privacy(self) -> dict[str, float]:
+        return self.trainer.privacy()
+
+    def certify(self, x, y, cfg):
+        return None  # no certificate of its own; see smoothing_classifier
+
+    def smoothing_classifier(self):
+        """(base model, sigma) when trained with Gaussian noise augmentation (the model adds no
+        noise itself), else None."""
+        return (self.model, self.sigma) if self.sigma > 0 else None
+
+
+def dpsgd(config: dict) -> None:
+    """Ray Tune function trainable for DP-SGD (flat config; see the module docstring)."""
+    run_trial(config, DPSGDTrialConfig, DPSGDMechanism, "dpsgd")
