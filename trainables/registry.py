@@ -56,6 +56,11 @@ REGISTRY: dict[str, TrainableEntry] = {
         "AdLM (Phan et al., ICDM 2017): LRP relevance released with Laplace noise, relevance-adaptive Laplace "
         "noise on the first affine transformation, functional-mechanism loss; epsilon = eps_1 + eps_2 + eps_3 "
         "(the paper's accounting, docs/adlm.md); no certificate."),
+    "label_dp": TrainableEntry(
+        "label_dp", "trainables.label_dp:label_dp", importlib.import_module("trainables.label_dp").LabelDPTrialConfig,
+        "Label DP (source: Laplace on MNIST labels): training labels released once per trial with the Laplace "
+        "mechanism (one-hot + Lap(2/eps) -> argmax, or the digit + Lap(9/eps)) or K-ary randomized response, a "
+        "fresh CNN trained on them; classification or regression; epsilon protects labels only (docs/label_dp.md)."),
 }
 
 
