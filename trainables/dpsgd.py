@@ -14,13 +14,15 @@ default: :class:`DPSGDTrialConfig` (``dpsweep mechanisms``); the mechanism: docs
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import ClassVar, Literal
 
-import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from trainables.config import CommonConfig
-from trainables.runtime import TrainerMechanism, run_trial
+
+# The registry imports this module to validate specs without importing torch: dpmech and the trial
+# runtime are imported inside the functions, and ``DPSGDMechanism`` is built on first use.
 
 
 class DPSGDTrialConfig(CommonConfig):
@@ -48,6 +50,13 @@ class DPSGDTrialConfig(CommonConfig):
     accountant: Literal["rdp", "pld"] = Field("rdp", description="accountant used to calibrate the noise (both are reported)")
 
     protects_training_examples: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _mechanism_rules(self):
+        if self.train_size is not None and self.batch_size > self.train_size:
+            raise ValueError(f"batch_size must be <= train_size ({self.train_size}): the sampling rate "
+                             f"batch_size / train_size is a probability, got {self.batch_size}")
+        return self
 
 
 def planned_train_size(cfg: DPSGDTrialConfig) -> int:
@@ -79,28 +88,44 @@ def privacy_event(cfg: DPSGDTrialConfig):
 PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "dataset", "accountant")
 
 
-class DPSGDMechanism(TrainerMechanism):
-    """Adapter from the trial config to ``dpmech.dpsgd.DPSGDTrainer``."""
+@lru_cache(maxsize=None)
+def _mechanism_class():
+    """``DPSGDMechanism``, built on first use (it subclasses the runtime's ``TrainerMechanism``)."""
+    from dpmech.dpsgd import DPSGDTrainer, build_dpsgd_model
+    from trainables.runtime import TrainerMechanism
 
-    def __init__(self, cfg: DPSGDTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
-        from dpmech.dpsgd import DPSGDTrainer, build_dpsgd_model
+    class DPSGDMechanism(TrainerMechanism):
+        """Adapter from the trial config to ``dpmech.dpsgd.DPSGDTrainer``."""
 
-        self.sigma = float(cfg.noise_augmentation_sigma)
-        self.trainer = DPSGDTrainer(build_dpsgd_model(cfg.dataset, cfg.seed), x, y, dpsgd_config(cfg),
-                                    device=device, plan_size=planned_train_size(cfg))
+        def __init__(self, cfg: DPSGDTrialConfig, x, y, device):
+            self.sigma = float(cfg.noise_augmentation_sigma)
+            self.trainer = DPSGDTrainer(build_dpsgd_model(cfg.dataset, cfg.seed), x, y, dpsgd_config(cfg),
+                                        device=device, plan_size=planned_train_size(cfg))
 
-    def privacy(self) -> dict[str, float]:
-        return self.trainer.privacy()
+        def privacy(self) -> dict[str, float]:
+            """epsilon (RDP) and epsilon_pld of the ledger, delta, noise_multiplier, sampling_rate, steps."""
+            return self.trainer.privacy()
 
-    def certify(self, x, y, cfg):
-        return None  # no certificate of its own; see smoothing_classifier
+        def certify(self, x, y, cfg):
+            return None  # no certificate of its own; see smoothing_classifier
 
-    def smoothing_classifier(self):
-        """(base model, sigma) when trained with Gaussian noise augmentation (the model adds no
-        noise itself), else None."""
-        return (self.model, self.sigma) if self.sigma > 0 else None
+        def smoothing_classifier(self):
+            """(base model, sigma) when trained with Gaussian noise augmentation (the model adds no
+            noise itself), else None."""
+            return (self.model, self.sigma) if self.sigma > 0 else None
+
+    DPSGDMechanism.__qualname__ = "DPSGDMechanism"
+    return DPSGDMechanism
+
+
+def __getattr__(name: str):
+    if name == "DPSGDMechanism":
+        return _mechanism_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dpsgd(config: dict) -> None:
     """Ray Tune function trainable for DP-SGD (flat config; see the module docstring)."""
-    run_trial(config, DPSGDTrialConfig, DPSGDMechanism, "dpsgd")
+    from trainables.runtime import run_trial
+
+    run_trial(config, DPSGDTrialConfig, _mechanism_class(), "dpsgd")
