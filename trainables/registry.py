@@ -61,6 +61,13 @@ REGISTRY: dict[str, TrainableEntry] = {
         "Label DP (source: Laplace on MNIST labels): training labels released once per trial with the Laplace "
         "mechanism (one-hot + Lap(2/eps) -> argmax, or the digit + Lap(9/eps)) or K-ary randomized response, a "
         "fresh CNN trained on them; classification or regression; epsilon protects labels only (docs/label_dp.md)."),
+    "dpsgd": TrainableEntry(
+        "dpsgd", "trainables.dpsgd:dpsgd", importlib.import_module("trainables.dpsgd").DPSGDTrialConfig,
+        "DP-SGD (Abadi et al. 2016) through Opacus: Poisson sampling, per-example clipping (ghost or flat), "
+        "Gaussian noise calibrated to (epsilon, delta) over the planned steps; RDP/PLD epsilon from the ledger; "
+        "epsilon null = non-private baseline of the same network (docs/dpsgd.md).",
+        privacy_event="trainables.dpsgd:privacy_event",
+        privacy_keys=importlib.import_module("trainables.dpsgd").PRIVACY_KEYS),
 }
 
 
