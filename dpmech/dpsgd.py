@@ -32,7 +32,8 @@ Engine API (for DP-SGD itself and for mechanisms built on it, e.g. SecureSGD)::
 
     cfg = DPSGDConfig(epsilon=8.0, delta=1e-5, max_grad_norm=1.0, batch_size=256, epochs=5,
                       lr=0.1, optimizer="sgd", momentum=0.9, clipping="ghost", seed=0)
-    trainer = DPSGDTrainer(model, x_train, y_train, cfg, device="cpu")   # any nn.Module
+    trainer = DPSGDTrainer(model, x_train, y_train, cfg, device="cpu")   # any nn.Module classifier
+    # (optional plan_size=n: plan q = batch_size / n and the steps from n instead of len(x_train))
     trainer.train_epoch()            # -> {"train_loss", "train_acc", "batch_size_mean"}
     trainer.train_step()             # one Poisson-sampled clipped noisy step (returns the batch size)
     trainer.privacy()                # epsilon (RDP), epsilon_pld, delta, noise_multiplier, sampling_rate, steps
@@ -58,6 +59,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -201,7 +203,7 @@ class DPSGDTrainer:
     """DP-SGD on in-memory tensors (any ``nn.Module`` classifier; see the module docstring)."""
 
     def __init__(self, model: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, config: DPSGDConfig, *,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", plan_size: int | None = None):
         config.validate()
         self.config = config
         self.device = torch.device(device)
@@ -209,7 +211,10 @@ class DPSGDTrainer:
             raise ValueError(f"x_train must be [N, ...] with N labels, got {tuple(x_train.shape)} and {tuple(y_train.shape)}")
         self.x = x_train.to(self.device)
         self.y = y_train.to(self.device)
-        self.plan = plan(config, int(x_train.shape[0]))
+        # q = batch_size / plan_size and the steps are planned from plan_size (default: the N examples
+        # given). A trial whose audit adds canaries plans from its configured train_size, so its
+        # ledger equals the event planned from the config; the extra examples are sampled at the same q.
+        self.plan = plan(config, int(plan_size if plan_size is not None else x_train.shape[0]))
         self.model = make_private_compatible(model).to(self.device)
         self.ledger = PrivacyLedger()
         self.epoch = 0
@@ -241,6 +246,9 @@ class DPSGDTrainer:
         from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
         cfg, sigma = self.config, float(self.plan.noise_multiplier)
+        if hasattr(self.model, "autograd_grad_sample_hooks"):
+            raise ValueError("model: already has Opacus hooks (another DP-SGD trainer trains it); pass a fresh "
+                             "model or call that trainer's close() first")
         common = dict(noise_multiplier=sigma, max_grad_norm=cfg.max_grad_norm, expected_batch_size=cfg.batch_size,
                       loss_reduction="mean", generator=self.noise_gen)
         if cfg.clipping == "ghost":
@@ -253,6 +261,12 @@ class DPSGDTrainer:
             self.gsm = GradSampleModule(self.model, batch_first=True, loss_reduction="mean")
             self.optimizer = DPOptimizer(base, **common)
         self.gsm.disable_hooks()  # only on inside train_step: evaluation and attacks see a plain model
+
+    def close(self) -> None:
+        """Remove the Opacus hooks from the model (it can then be trained by another trainer)."""
+        if self.gsm is not None:
+            self.gsm.remove_hooks()
+            self.gsm = None
 
     @property
     def base_optimizer(self) -> torch.optim.Optimizer:
@@ -278,9 +292,30 @@ class DPSGDTrainer:
         """Logits of a training batch (through the Opacus wrapper when private)."""
         return (self.gsm if self.gsm is not None else self.model)(xb)
 
+    def forward_backward(self, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one batch: afterwards the optimizer holds what it needs (per-example
+        gradients in flat mode, the clipped sum in ghost mode, the plain gradient in the baseline).
+        Returns (logits, per-example losses), detached."""
+        cfg = self.config
+        logits = self.forward_train(xb)
+        if cfg.private and cfg.clipping == "ghost":
+            loss = self.criterion(logits, yb)          # packs both backward passes of ghost clipping
+            per_example = loss.loss_per_sample
+        else:
+            per_example = F.cross_entropy(logits, yb, reduction="none")
+            # flat: Opacus rescales the per-example gradients of the mean by the batch length;
+            # baseline: the same 1/B scaling as DP-SGD (B the expected batch size), no clipping or noise
+            loss = per_example.mean() if cfg.private else per_example.sum() / cfg.batch_size
+        loss.backward()
+        return logits.detach(), per_example.detach()
+
     def train_step(self) -> tuple[int, float, int]:
-        """One step of Alg. 1; returns (batch size, summed loss, correct predictions)."""
-        idx = self.poisson_batch()
+        """One step of Alg. 1 on a fresh Poisson sample; returns (batch size, summed loss, correct)."""
+        return self._step(self.poisson_batch())
+
+    def _step(self, idx: torch.Tensor) -> tuple[int, float, int]:
+        """The step on the examples ``idx`` (recorded in the ledger as a Poisson step: only
+        :meth:`train_step` makes that true; tests call this directly to fix a batch)."""
         self.model.train()
         cfg = self.config
         if idx.numel() == 0:
@@ -292,15 +327,10 @@ class DPSGDTrainer:
             if self.gsm is not None:
                 self.gsm.enable_hooks()
             try:
-                logits = self.forward_train(xb)
-                per_example = F.cross_entropy(logits, yb, reduction="none")
-                if cfg.private and cfg.clipping == "ghost":
-                    loss = self.criterion(logits, yb)   # packs both backward passes of ghost clipping
-                elif cfg.private:
-                    loss = per_example.mean()            # Opacus rescales the per-example gradients
-                else:
-                    loss = per_example.sum() / cfg.batch_size  # the same scaling, without clipping or noise
-                loss.backward()
+                with warnings.catch_warnings():
+                    # Opacus's hooks fire on module outputs when the input needs no gradient (expected)
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                    logits, per_example = self.forward_backward(xb, yb)
             finally:
                 if self.gsm is not None:
                     self.gsm.disable_hooks()
