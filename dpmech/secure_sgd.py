@@ -161,7 +161,8 @@ class SecureSGDConfig:
     dataset: str = "mnist"
     mechanism: str = "hgm"               # hgm (SecureSGD) | agm (SecureSGD-AGM): robustness noise calibration
     # training-data privacy (DP-SGD; the ledger's epsilon is reported)
-    epsilon: float = 2.0                 # target epsilon of DP-SGD
+    epsilon: float | None = 2.0          # target epsilon of DP-SGD (None: noise_multiplier as given)
+    noise_multiplier: float | None = None  # explicit DP-SGD sigma instead of a target epsilon
     delta: float = 1e-5
     max_grad_norm: float = 1.0
     batch_size: int = 256                # expected Poisson batch size
@@ -193,10 +194,12 @@ class SecureSGDConfig:
         v.positive("attack_bound", self.attack_bound)
         if isinstance(self.noise_after, bool) or self.noise_after not in (0, 1):
             raise ValueError(f"noise_after must be 0 or 1, got {self.noise_after!r}")
+        if self.epsilon is None and self.noise_multiplier is None:
+            raise ValueError("epsilon: SecureSGD needs a target epsilon or a noise_multiplier (it is never non-private)")
         self.dpsgd_config()  # validates the DP-SGD keys
 
     def dpsgd_config(self) -> DPSGDConfig:
-        return DPSGDConfig(epsilon=self.epsilon, delta=self.delta, max_grad_norm=self.max_grad_norm,
+        return DPSGDConfig(epsilon=self.epsilon, noise_multiplier=self.noise_multiplier, delta=self.delta, max_grad_norm=self.max_grad_norm,
                            batch_size=self.batch_size, epochs=self.epochs, lr=self.lr, optimizer=self.optimizer,
                            momentum=self.momentum, weight_decay=self.weight_decay, clipping=self.clipping,
                            accountant=self.accountant, seed=self.seed)
@@ -230,6 +233,32 @@ class SecureSGDTrainer(DPSGDTrainer):
             raise ValueError(f"x_train images must have shape {model.input_shape}, got {tuple(x_train.shape[1:])}")
         super().__init__(model, x_train, y_train, config.dpsgd_config(), device=device)
 
+    # -------------------------------------------------------------- redistribution
+    def set_redistribution(self, r: torch.Tensor) -> float:
+        """Use the redistribution vector ``r`` (shape of one feature map, r > 0, sum = K; see
+        ``dpmech.hgm.redistribution_vector``) and re-calibrate the base sigma for the whitened
+        construction bound L / sqrt(min r) (Phan et al.'s heterogeneous mechanism, sound
+        reading). Returns the new base sigma.
+
+        ``r`` must not depend on the training data beyond what the ledger accounts for (e.g. a
+        data-independent choice, or a function of the DP-trained parameters): the reference
+        implementation's r, computed from raw training gradients, is not offered (docs/secure_sgd.md).
+        """
+        noise = self.model.noise
+        r = torch.as_tensor(r, dtype=noise.r.dtype, device=noise.r.device)
+        if tuple(r.shape) != tuple(noise.r.shape):
+            raise ValueError(f"r must have shape {tuple(noise.r.shape)}, got {tuple(r.shape)}")
+        if not torch.isfinite(r).all() or (r <= 0).any():
+            raise ValueError("r must be finite and > 0 everywhere")
+        k = r.numel()
+        if abs(float(r.double().sum()) - k) > 1e-4 * k:
+            raise ValueError(f"r must sum to its number of entries {k} (the total noise variance is kept), got {float(r.sum())}")
+        cfg = self.secure_config
+        noise.r.copy_(r)
+        noise.scale = robustness_noise_scale(cfg.mechanism, cfg.robustness_epsilon, cfg.robustness_delta,
+                                             cfg.attack_bound, 1.0 / math.sqrt(float(r.min())))
+        return float(noise.scale)
+
     # -------------------------------------------------------------- guarantees
     def robustness(self) -> dict[str, float]:
         """The PixelDP guarantee of the noise layer, recomputed from the noise actually used and
@@ -260,6 +289,7 @@ class SecureSGDTrainer(DPSGDTrainer):
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["secure_config"] = self.secure_config.to_dict()
+        state["noise_scale"] = float(self.model.noise.scale)
         state["noise_layer_gen"] = [s.clone() for s in self.model.noise.get_rng_state(self.device)]
         return state
 
@@ -267,4 +297,5 @@ class SecureSGDTrainer(DPSGDTrainer):
         if state.get("secure_config") != self.secure_config.to_dict():
             raise ValueError("checkpoint config does not match this trainer's config")
         super().load_state_dict(state)
+        self.model.noise.scale = float(state["noise_scale"])
         self.model.noise.set_rng_state(self.device, state["noise_layer_gen"])
