@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dpmech.adlm import (AdLMConfig, AdLMTrainer, RelevanceNet, average_relevance, feature_copies, feature_scales,
-                         feature_sensitivity, features_epsilon, lrp_epsilon, normalized_relevance, redistribute,
+                         feature_sensitivity, features_epsilon, loss_sensitivity, lrp_epsilon, normalized_relevance, redistribute,
                          relevance_sensitivity, split_budget, train_relevance_net)
 from dpmech.adlm.budget import uniform_share_loss
 from dpmech.data import load_splits
@@ -240,6 +240,8 @@ def test_label_coefficient_sensitivity_brute_force():
     assert 0 < worst_model <= bound
     assert worst_synthetic == pytest.approx(bound)            # attained by h = +1 / -1 with another label
     assert worst_synthetic > net.h_pi                          # control: |h_pi| alone is not enough
+    assert loss_sensitivity(net.h_pi, 10, "labels") == bound
+    assert loss_sensitivity(net.h_pi, 10, "paper") == 10 * (256 + 256 ** 2 / 4)   # the reference's Lemma 5
 
 
 # ============================================================================ adaptive scales
@@ -328,7 +330,7 @@ def test_short_mnist_run_is_well_above_chance(mnist):
 @pytest.mark.parametrize("field,value", [
     ("dataset", "cifar10"), ("epsilon", 0.0), ("epsilon", float("nan")), ("budget_split", (0.5, 0.5)),
     ("budget_split", (0.5, 0.5, 0.5)), ("budget_split", (1.0, 0.0, 0.0)), ("relevance_source", "private"),
-    ("relevance_norm", "l2"), ("relevance_epochs", -1), ("lrp_epsilon", 0.0), ("beta_min", 0.0), ("beta_min", 1.0),
+    ("relevance_norm", "l2"), ("loss_sensitivity", "all"), ("relevance_epochs", -1), ("lrp_epsilon", 0.0), ("beta_min", 0.0), ("beta_min", 1.0),
     ("input_clip", 0.0), ("batch_size", 0), ("lr", -1.0), ("epochs", 0), ("seed", -1),
 ])
 def test_bad_config_raises_naming_the_field(field, value):

@@ -38,6 +38,8 @@ class AdLMTrialConfig(CommonConfig):
         "linf", description="per-example relevance normalisation: linf (the paper's Delta_R = 2d/N) or l1 (2/N)")
     relevance_epochs: int = Field(2, ge=0, description="epochs of non-private training of the LRP network")
     lrp_epsilon: float = Field(1.0, gt=0, allow_inf_nan=False, description="stabiliser of the LRP-epsilon rule (the reference: 1)")
+    loss_sensitivity: Literal["labels", "paper"] = Field(
+        "labels", description="Delta_L scaling the loss noise: labels (2 |h_pi|) or paper (the reference's K (|h_pi| + |h_pi|^2/4))")
     beta_min: float = Field(0.01, gt=0, lt=1, description="floor of the budget redistribution vector beta (fraction of the uniform share)")
     input_clip: float = Field(10.0, gt=0, allow_inf_nan=False, description="perturbed inputs clipped to [-clip, clip] (the reference: 10)")
     epochs: int = Field(10, gt=0, description="training epochs")
@@ -69,7 +71,8 @@ def adlm_config(cfg: AdLMTrialConfig):
     return AdLMConfig(
         dataset=cfg.dataset, epsilon=cfg.epsilon,
         budget_split=tuple(cfg.budget_split), relevance_source=cfg.relevance_source, relevance_norm=cfg.relevance_norm,
-        relevance_epochs=cfg.relevance_epochs, lrp_epsilon=cfg.lrp_epsilon, beta_min=cfg.beta_min,
+        relevance_epochs=cfg.relevance_epochs, lrp_epsilon=cfg.lrp_epsilon, loss_sensitivity=cfg.loss_sensitivity,
+        beta_min=cfg.beta_min,
         input_clip=cfg.input_clip, batch_size=cfg.batch_size, lr=cfg.lr, epochs=cfg.epochs, seed=cfg.seed)
 
 

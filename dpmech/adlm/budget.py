@@ -31,9 +31,10 @@ from dpmech import _validate as v
 from dpmech.dpal.budget import delta_l2  # Lemma 4 of DPAL = AdLM's label-coefficient sensitivity
 
 RELEVANCE_NORMS = ("linf", "l1")
+LOSS_SENSITIVITIES = ("labels", "paper")
 PAPER_SPLIT = (1.0 / 3.0, 1.0 / 3.0, 1.0 / 3.0)
 
-__all__ = ["RELEVANCE_NORMS", "PAPER_SPLIT", "AdLMBudget", "split_budget", "relevance_sensitivity",
+__all__ = ["RELEVANCE_NORMS", "LOSS_SENSITIVITIES", "PAPER_SPLIT", "AdLMBudget", "split_budget", "relevance_sensitivity",
            "loss_sensitivity", "feature_copies", "feature_sensitivity", "redistribute", "feature_scales",
            "features_epsilon", "laplace_epsilon"]
 
@@ -83,10 +84,22 @@ def relevance_sensitivity(d: int, n: int, norm: str = "linf") -> float:
     return (2.0 * d if norm == "linf" else 2.0) / n
 
 
-def loss_sensitivity(h_pi: int) -> float:
-    """Delta_L = 2 |h_pi|: the L1 sensitivity of the label coefficients sum_i h_pi,i y_i^T (all K classes
-    together) for h_pi in [-1, 1] and one-hot labels (``dpmech.dpal.budget.delta_l2``)."""
-    return delta_l2(h_pi)
+def loss_sensitivity(h_pi: int, classes: int = 10, rule: str = "labels") -> float:
+    """Delta_L of the coefficients that get chi_3 (Alg. 1 lines 16-19).
+
+    ``labels``: 2 |h_pi|, the L1 sensitivity of the label coefficients sum_i h_pi,i y_i^T (all K classes
+    together) for h_pi in [-1, 1] and one-hot labels (``dpmech.dpal.budget.delta_l2``); these are the
+    coefficients perturbed here. ``paper``: K (|h_pi| + |h_pi|^2 / 4), the reference code's "Lemma 5"
+    value, the sensitivity of ALL coefficients of the second-order expansion ((1/2 - y_ik) h_pi and
+    h_pi h_pi^T / 8 for each of the K classes); used as a (much larger, conservative) scale for the same
+    label coefficients.
+    """
+    h_pi = v.positive_int("h_pi", h_pi)
+    classes = v.positive_int("classes", classes)
+    rule = v.choice("loss_sensitivity", rule, LOSS_SENSITIVITIES)
+    if rule == "labels":
+        return delta_l2(h_pi)
+    return float(classes * (h_pi + h_pi ** 2 / 4.0))
 
 
 def feature_copies(input_shape, kernel: int, stride: int, padding: int) -> torch.Tensor:

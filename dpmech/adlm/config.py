@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dpmech import _validate as v
-from dpmech.adlm.budget import PAPER_SPLIT, RELEVANCE_NORMS, split_budget
+from dpmech.adlm.budget import LOSS_SENSITIVITIES, PAPER_SPLIT, RELEVANCE_NORMS, split_budget
 
 DATASETS = ("mnist", "fashion_mnist")
 RELEVANCE_SOURCES = ("public", "training")
@@ -23,7 +23,9 @@ class AdLMConfig:
     a non-private function of the data that eps_1 does not cover). ``relevance_norm`` normalises each
     example's relevance map (``linf``: the paper's Delta_R = 2d/|D|; ``l1``: 2/|D|). ``beta_min`` floors
     the redistribution vector (the reference floors at 1e-5). ``input_clip`` clips the perturbed
-    inputs to [-clip, clip] (the reference's 10; post-processing).
+    inputs to [-clip, clip] (the reference's 10; post-processing). ``loss_sensitivity`` is the Delta_L
+    that scales chi_3: ``labels`` (2 |h_pi|, the perturbed coefficients' own sensitivity) or ``paper``
+    (the reference's K (|h_pi| + |h_pi|^2 / 4)).
     """
 
     dataset: str = "mnist"
@@ -33,6 +35,7 @@ class AdLMConfig:
     relevance_norm: str = "linf"
     relevance_epochs: int = 2
     lrp_epsilon: float = 1.0
+    loss_sensitivity: str = "labels"
     beta_min: float = 0.01
     input_clip: float = 10.0
     batch_size: int = 1800
@@ -52,6 +55,7 @@ class AdLMConfig:
         v.choice("relevance_norm", self.relevance_norm, RELEVANCE_NORMS)
         v.positive_int("relevance_epochs", self.relevance_epochs, minimum=0)
         v.positive("lrp_epsilon", self.lrp_epsilon)
+        v.choice("loss_sensitivity", self.loss_sensitivity, LOSS_SENSITIVITIES)
         v.unit_interval("beta_min", self.beta_min, low_open=True, high_open=True)
         v.positive("input_clip", self.input_clip)
         v.positive_int("batch_size", self.batch_size)

@@ -127,7 +127,7 @@ class AdLMTrainer:
         self.scales_features = feature_scales(self.beta, self.sensitivity_features, self.budget.eps_features)
         chi = self._laplace(shape, 1.0) * self.scales_features
         # lines 16-19: the label coefficients of the Taylor-expanded loss
-        self.sensitivity_loss = loss_sensitivity(net.h_pi)
+        self.sensitivity_loss = loss_sensitivity(net.h_pi, net.classes, cfg.loss_sensitivity)
         self.scale_loss = self.sensitivity_loss / self.budget.eps_loss
         self.chi3 = (self._laplace((net.h_pi, net.classes), self.scale_loss)).to(torch.float32).to(self.device)
         self.model = AdLMClassifier(net, (chi / m).to(torch.float32), cfg.input_clip).to(self.device)
