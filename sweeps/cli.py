@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import sys
 from pathlib import Path
 
@@ -46,7 +47,8 @@ def _err(msg: str) -> None:
 
 
 def _storage_path(cli: str | None, spec_storage: str | None) -> str:
-    s = cli or spec_storage or "./ray_results"
+    # DPSWEEP_STORAGE: the cluster's shared storage (set on the head by cluster.yaml)
+    s = cli or os.environ.get("DPSWEEP_STORAGE") or spec_storage or "./ray_results"
     return s if "://" in s else str(Path(s).expanduser().resolve())
 
 
@@ -137,8 +139,16 @@ def cmd_run(args) -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_name = f"{spec.name}-{stamp}"
     ray_init()
+    from sweeps.cluster_checks import StorageRefused, artifact_warning, preflight
+
+    try:  # on a cluster: shared storage, a tracking server (docs/cluster.md); before any MLflow run
+        preflight(storage, tracking_uri)
+    except StorageRefused as exc:
+        _err(str(exc))
+        return EXIT_INVALID
     info = start_parent_run(tracking_uri, spec.mlflow.experiment or spec.name, run_name, spec.raw,
                             spec_to_flat_params(spec))
+    artifact_warning(info)
     exp_dir = f"{storage.rstrip('/')}/{run_name}"
     if "://" not in storage:
         save_state(Path(exp_dir), {"spec": spec.raw, "mlflow": info, "run_name": run_name, "total": total})
@@ -203,6 +213,13 @@ def cmd_resume(args) -> int:
         _err(str(exc))
         return EXIT_INVALID
     ray_init()
+    from sweeps.cluster_checks import StorageRefused, preflight
+
+    try:
+        preflight(str(exp_dir.parent), state["mlflow"]["tracking_uri"])
+    except StorageRefused as exc:
+        _err(str(exc))
+        return EXIT_INVALID
     trainable = tune.with_resources(dispatch, {"cpu": spec.resources.cpu, "gpu": spec.resources.gpu})
     tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, restart_errored=True)
     info = state["mlflow"]
