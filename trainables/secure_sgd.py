@@ -1,0 +1,157 @@
+"""The ``secure_sgd`` and ``secure_sgd_agm`` trainables: SecureSGD (Phan et al., IJCAI 2019) with
+the heterogeneous Gaussian mechanism, and the same with the analytic Gaussian mechanism.
+
+Use them in your own study::
+
+    from ray import tune
+    from trainables.secure_sgd import secure_sgd
+    tune.Tuner(secure_sgd, param_space={"epsilon": tune.grid_search([0.5, 2.0]), "epochs": 2}).fit()
+
+``epsilon``/``delta`` are the DP-SGD guarantee for the training examples (from the privacy
+ledger); ``robustness_epsilon``/``robustness_delta``/``attack_bound`` calibrate the PixelDP noise
+layer. Every key and its default: :class:`SecureSGDTrialConfig` (``dpsweep mechanisms``); the
+mechanism and its metric names: docs/secure_sgd.md.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from trainables.config import CommonConfig
+
+# Imported by the registry to validate specs: dpmech and the runtime are imported lazily.
+
+
+class SecureSGDTrialConfig(CommonConfig):
+    """SecureSGD: DP-SGD for the training data + a PixelDP noise layer calibrated by the HGM."""
+
+    epsilon: float = Field(2.0, gt=0, allow_inf_nan=False,
+                           description="target epsilon of DP-SGD over the whole run (training examples; "
+                                       "noise multiplier calibrated over the planned steps, reported from the ledger)")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of the training-data guarantee (add/remove one example)")
+    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False, description="C: per-example gradient clipping bound (l2)")
+    batch_size: int = Field(256, gt=0, description="expected batch size; Poisson sampling rate q = batch_size / train_size")
+    epochs: int = Field(5, gt=0, description="training epochs of ceil(train_size / batch_size) steps")
+    lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="learning rate")
+    optimizer: Literal["sgd", "adam"] = Field("sgd", description="optimizer applied to the noisy gradient")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="L2 weight decay")
+    clipping: Literal["ghost", "flat"] = Field("ghost", description="Opacus ghost clipping or flat per-example clipping")
+    accountant: Literal["rdp", "pld"] = Field("rdp", description="accountant used to calibrate the noise (both are reported)")
+    robustness_epsilon: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                      description="eps_r of the noise layer (PixelDP robustness, not training-data privacy)")
+    robustness_delta: float = Field(0.05, gt=0, lt=0.79, description="delta_r of the noise layer (HGM needs < sqrt(2/pi))")
+    attack_bound: float = Field(0.1, gt=0, allow_inf_nan=False, description="construction attack bound L (l2, [-1, 1] domain)")
+    noise_after: Literal[0, 1] = Field(1, description="0: noise on the input (randomized-smoothing compatible); "
+                                                      "1: after the sensitivity-bounded first convolution")
+    certify_calibration: Literal["analytic", "classic"] = Field(
+        "analytic", description="certified-size search: exact Gaussian calibration, or the PixelDP reference's classic formula")
+    certify_exact_sensitivity: bool = Field(
+        True, description="certify with the measured whitened pre-noise sensitivity (False: the construction bound)")
+
+    protects_training_examples: ClassVar[bool] = True
+    mechanism: ClassVar[str] = "hgm"
+
+    @model_validator(mode="after")
+    def _mechanism_rules(self):
+        if self.train_size is not None and self.batch_size > self.train_size:
+            raise ValueError(f"batch_size must be <= train_size ({self.train_size}): the sampling rate "
+                             f"batch_size / train_size is a probability, got {self.batch_size}")
+        return self
+
+
+class SecureSGDAGMTrialConfig(SecureSGDTrialConfig):
+    """SecureSGD-AGM: the same, with the noise layer calibrated by the analytic Gaussian mechanism."""
+
+    robustness_delta: float = Field(0.05, gt=0, lt=1, description="delta_r of the noise layer")
+    mechanism: ClassVar[str] = "agm"
+
+
+def planned_train_size(cfg: SecureSGDTrialConfig) -> int:
+    from dpmech.dpsgd import FULL_TRAIN_SIZES
+
+    return int(cfg.train_size) if cfg.train_size is not None else FULL_TRAIN_SIZES[cfg.dataset]
+
+
+def secure_sgd_config(cfg: SecureSGDTrialConfig):
+    """The dpmech configuration of a trial."""
+    from dpmech.secure_sgd import SecureSGDConfig
+
+    return SecureSGDConfig(
+        dataset=cfg.dataset, mechanism=type(cfg).mechanism, epsilon=cfg.epsilon, delta=cfg.delta,
+        max_grad_norm=cfg.max_grad_norm, batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr,
+        optimizer=cfg.optimizer, momentum=cfg.momentum, weight_decay=cfg.weight_decay, clipping=cfg.clipping,
+        accountant=cfg.accountant, robustness_epsilon=cfg.robustness_epsilon, robustness_delta=cfg.robustness_delta,
+        attack_bound=cfg.attack_bound, noise_after=cfg.noise_after, seed=cfg.seed)
+
+
+def privacy_event(cfg: SecureSGDTrialConfig):
+    """The dp-accounting event of one trial planned from its config (the DP-SGD steps; the noise
+    layer adds no privacy cost for the training data: its noise is not a function of the data)."""
+    from dpmech.dpsgd import plan
+
+    return plan(secure_sgd_config(cfg).dpsgd_config(), planned_train_size(cfg)).dp_event()
+
+
+PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "dataset", "accountant")
+
+
+@lru_cache(maxsize=None)
+def _mechanism_class():
+    """``SecureSGDMechanism``, built on first use (it subclasses the runtime's ``TrainerMechanism``)."""
+    from dpmech.certify import certify
+    from dpmech.secure_sgd import SecureSGDTrainer
+    from trainables.runtime import TrainerMechanism
+
+    class SecureSGDMechanism(TrainerMechanism):
+        """Adapter from the trial config to ``dpmech.secure_sgd.SecureSGDTrainer``."""
+
+        def __init__(self, cfg: SecureSGDTrialConfig, x, y, device):
+            self.trainer = SecureSGDTrainer(secure_sgd_config(cfg), x, y, device=device,
+                                            plan_size=planned_train_size(cfg))
+
+        def privacy(self) -> dict[str, float]:
+            """epsilon/delta of the training data (ledger, RDP; epsilon_pld), the DP-SGD parameters,
+            and the robustness parameters under their own names (docs/secure_sgd.md)."""
+            return {k: float(v) for k, v in self.trainer.privacy().items()}
+
+        def certify(self, x, y, cfg):
+            """PixelDP certification of the whitened model (scale = base sigma, whitened sensitivity)."""
+            from dpmech.secure_sgd import whitened_sensitivity
+
+            if cfg.certify_exact_sensitivity:
+                sens = whitened_sensitivity(self.model)
+            else:
+                sens = 1.0 / float(self.model.noise.r.min()) ** 0.5
+            return certify(self.model, x, y, n=cfg.certify_n, eta=cfg.certify_eta, bounds=cfg.certify_bounds,
+                           sensitivity=sens, calibration=cfg.certify_calibration)
+
+        def smoothing_classifier(self):
+            """(model without its noise layer, sigma) when the noise is isotropic on the input."""
+            return self.trainer.smoothing_classifier()
+
+    SecureSGDMechanism.__qualname__ = "SecureSGDMechanism"
+    return SecureSGDMechanism
+
+
+def __getattr__(name: str):
+    if name == "SecureSGDMechanism":
+        return _mechanism_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def secure_sgd(config: dict) -> None:
+    """Ray Tune function trainable for SecureSGD with the HGM (flat config; see the module docstring)."""
+    from trainables.runtime import run_trial
+
+    run_trial(config, SecureSGDTrialConfig, _mechanism_class(), "secure_sgd")
+
+
+def secure_sgd_agm(config: dict) -> None:
+    """Ray Tune function trainable for SecureSGD-AGM (flat config; see the module docstring)."""
+    from trainables.runtime import run_trial
+
+    run_trial(config, SecureSGDAGMTrialConfig, _mechanism_class(), "secure_sgd_agm")
