@@ -420,7 +420,11 @@ class LabelDPTrainer:
         out_dim = self.num_classes if config.task == "classification" else 1
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(config.seed, 0))
-            self.model = LabelDPCNN(tuple(x_train.shape[1:]), out_dim).to(self.device)
+            model = LabelDPCNN(tuple(x_train.shape[1:]), out_dim)
+        if out_dim == 1:  # start the regression output at the middle of [0, K-1] (public, not data)
+            with torch.no_grad():
+                model.head[-1].bias.fill_((self.num_classes - 1) / 2)
+        self.model = model.to(self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
         self.shuffle_gen = torch.Generator(device="cpu").manual_seed(derive_seed(config.seed, 1))
         self.epoch = 0

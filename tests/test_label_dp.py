@@ -34,6 +34,15 @@ N_DP = 10**6
 SLACK = 0.0025
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny convolutions run far faster on one thread than on two shared ones (and CI has 2 cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------- randomized response: exact enumeration
 
 
@@ -322,7 +331,6 @@ def test_short_training_beats_chance_and_adapter_reports_metrics():
     from trainables.label_dp import LabelDPMechanism, LabelDPTrialConfig
     from trainables.runtime import evaluate
 
-    torch.set_num_threads(1)
     train, test = load_splits("mnist", train_size=600, test_size=200, seed=0)
     x, y = train.tensors
     xt, yt = test.tensors
@@ -341,3 +349,25 @@ def test_short_training_beats_chance_and_adapter_reports_metrics():
     m = evaluate(mech, reg, xt, yt)["metrics"]
     assert {"mse", "acc_clean", "epsilon", "delta", "label_keep_rate", "analytic_keep_prob"} <= set(m)
     assert m["epsilon"] == pytest.approx(2.0) and m["mse"] > 0
+
+
+def test_report_figure_from_a_trials_table(tmp_path):
+    import pandas as pd
+
+    from sweeps.report_labeldp import FIGURE, labeldp_figures
+
+    rows = []
+    for task in ("classification", "regression"):
+        rows.append({"trainable": "label_dp", "param.task": task, "param.mechanism": "none", "param.epsilon": None,
+                     "param.postprocess": "argmax", "acc_clean": 0.98, "mse": 0.25 if task == "regression" else None,
+                     "epsilon": 1.7976931348623157e308, "label_keep_rate": 1.0})
+        for mech in ("laplace", "rr"):
+            for eps in (0.1, 1.0, 10.0):
+                rows.append({"trainable": "label_dp", "param.task": task, "param.mechanism": mech, "param.epsilon": eps,
+                             "param.postprocess": "argmax", "acc_clean": min(0.98, 0.1 * eps + 0.1),
+                             "mse": 8.0 / (1 + eps) if task == "regression" else None, "epsilon": eps,
+                             "label_keep_rate": rr_keep_prob(eps, K)})
+    rows.append({"trainable": "pixeldp", "acc_clean": 0.9, "epsilon": 1.0})
+    out = labeldp_figures(pd.DataFrame(rows), tmp_path)
+    assert out == [tmp_path / FIGURE] and (tmp_path / FIGURE).stat().st_size > 10_000
+    assert labeldp_figures(pd.DataFrame([rows[-1]]), tmp_path / "none") == []

@@ -1,0 +1,139 @@
+"""The label-DP figure of ``dpsweep report`` (the source document's trade-off figure, extended).
+
+``labeldp_figures(trials, out)`` draws, when the sweep has ``label_dp`` trials,
+``label_dp_accuracy_mse_vs_epsilon.png``: regression MSE against epsilon (log-log) and
+classification accuracy against epsilon (log x), one line per mechanism (Laplace, randomized
+response, Laplace with clamp-and-round), each task's non-private baseline as a dashed horizontal
+line, and on the accuracy panel the analytic probability that a training label is kept at each
+epsilon (dotted; ``dpmech.label_dp.analytic_keep_prob``) beside the measured keep rates.
+
+``plot_labeldp(rows, path)`` draws the same figure from plain records (the benchmark uses it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+FIGURE = "label_dp_accuracy_mse_vs_epsilon.png"
+# MLflow's SQL store writes +inf as the largest float; anything this large is "no guarantee"
+_INF = 1e300
+_STYLE = {("laplace", "argmax"): ("tab:blue", "o", "Laplace (one-hot, argmax)"),
+          ("laplace", "clamp_round"): ("tab:green", "s", "Laplace (clamp-and-round)"),
+          ("rr", "argmax"): ("tab:orange", "^", "randomized response")}
+_REG_STYLE = {"laplace": ("tab:red", "o", "Laplace (clamped to [0, 9])"),
+              "rr": ("tab:purple", "^", "randomized response")}
+
+
+def _num(value) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return out
+
+
+def rows_from_trials(trials) -> list[dict]:
+    """One record per finished ``label_dp`` trial of the report's trials table."""
+    if trials is None or trials.empty or "trainable" not in trials:
+        return []
+    df = trials[trials["trainable"] == "label_dp"]
+    rows = []
+    for _, r in df.iterrows():
+        if not math.isfinite(_num(r.get("acc_clean"))):
+            continue
+        eps = _num(r.get("param.epsilon"))
+        mech = r.get("param.mechanism", "laplace")
+        rows.append({"task": r.get("param.task", "classification"), "mechanism": mech,
+                     "postprocess": r.get("param.postprocess", "argmax") or "argmax",
+                     "epsilon": None if mech == "none" or not math.isfinite(eps) or eps >= _INF else eps,
+                     "acc_clean": _num(r.get("acc_clean")), "mse": _num(r.get("mse")),
+                     "label_keep_rate": _num(r.get("label_keep_rate"))})
+    return rows
+
+
+def labeldp_figures(trials, out: Path) -> list[Path]:
+    """The report's label-DP figures (an empty list when the sweep has no label_dp results)."""
+    rows = rows_from_trials(trials)
+    path = Path(out) / FIGURE
+    return [path] if plot_labeldp(rows, path) else []
+
+
+def _mean_by_epsilon(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    acc: dict[float, list[float]] = defaultdict(list)
+    for r in rows:
+        if r["epsilon"] is not None and math.isfinite(r.get(key, math.nan)):
+            acc[r["epsilon"]].append(r[key])
+    eps = np.array(sorted(acc))
+    return eps, np.array([np.mean(acc[e]) for e in eps])
+
+
+def _baseline(rows: list[dict], task: str, key: str) -> float:
+    vals = [r[key] for r in rows if r["task"] == task and r["epsilon"] is None and math.isfinite(r.get(key, math.nan))]
+    return float(np.mean(vals)) if vals else math.nan
+
+
+def plot_labeldp(rows: list[dict], path: Path, num_classes: int = 10) -> bool:
+    """Draw the figure from records {task, mechanism, postprocess, epsilon (None = baseline),
+    acc_clean, mse, label_keep_rate}; False when there is nothing to draw."""
+    from dpmech.label_dp import analytic_keep_prob
+
+    cls = [r for r in rows if r["task"] == "classification"]
+    reg = [r for r in rows if r["task"] == "regression" and math.isfinite(r.get("mse", math.nan))]
+    private = [r["epsilon"] for r in rows if r["epsilon"] is not None]
+    if not cls and not reg:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lo, hi = (min(private), max(private)) if private else (0.01, 100.0)
+    lo, hi = (lo / 1.5, hi * 1.5) if lo < hi else (lo / 10, hi * 10)
+    panels = [t for t, rs in (("regression", reg), ("classification", cls)) if rs]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.4), dpi=120, squeeze=False)
+    for ax, task in zip(axes[0], panels):
+        if task == "regression":
+            for mech, (color, marker, label) in _REG_STYLE.items():
+                e, m = _mean_by_epsilon([r for r in reg if r["mechanism"] == mech], "mse")
+                if len(e):
+                    ax.plot(e, m, marker=marker, color=color, lw=1.8, label=label)
+            base = _baseline(reg, "regression", "mse")
+            if math.isfinite(base):
+                ax.hlines(base, lo, hi, colors="k", linestyles="--", label=f"non-private baseline {base:.4f}")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_ylabel("test MSE (regression)")
+        else:
+            grid = np.logspace(math.log10(lo), math.log10(hi), 80)
+            for (mech, post), (color, marker, label) in _STYLE.items():
+                sel = [r for r in cls if r["mechanism"] == mech and r["postprocess"] == post]
+                e, a = _mean_by_epsilon(sel, "acc_clean")
+                if not len(e):
+                    continue
+                ax.plot(e, a, marker=marker, color=color, lw=1.8, label=f"{label}: test accuracy")
+                ek, k = _mean_by_epsilon(sel, "label_keep_rate")
+                if len(ek):
+                    ax.scatter(ek, k, marker="x", color=color, s=22, zorder=3)
+                curve = [analytic_keep_prob(mech, float(g), num_classes, postprocess=post) for g in grid]
+                ax.plot(grid, curve, ls=":", color=color, lw=1.4, label=f"{label}: P(label kept), analytic (x: measured)")
+            base = _baseline(cls, "classification", "acc_clean")
+            if math.isfinite(base):
+                ax.hlines(base, lo, hi, colors="k", linestyles="--", label=f"non-private baseline {base:.4f}")
+            ax.axhline(1.0 / num_classes, color="grey", lw=0.8, alpha=0.6)
+            ax.set_xscale("log")
+            ax.set_ylim(0, 1.02)
+            ax.set_ylabel("test accuracy (classification)")
+        ax.set_xlim(lo, hi)
+        ax.set_xlabel("epsilon (label DP, delta = 0)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle("Label DP on the training labels: utility against epsilon (labels released once per trial)", fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
