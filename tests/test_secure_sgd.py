@@ -45,9 +45,9 @@ def _next_batch(trainer):
 def test_step_is_the_sum_of_per_example_gradients_clipped_to_c(noise_after):
     """Noise layer and gradient noise off: the update must equal lr * sum_i clip_C(g_i) / B with the
     g_i computed one example at a time through the weight-normalising BoundedConv2d."""
-    x, y = _data()
+    x, y = _data(32)
     c = 0.05
-    cfg = SecureSGDConfig(epsilon=None, noise_multiplier=0.0, max_grad_norm=c, batch_size=16, epochs=1, lr=1.0,
+    cfg = SecureSGDConfig(epsilon=None, noise_multiplier=0.0, max_grad_norm=c, batch_size=8, epochs=1, lr=1.0,
                           momentum=0.0, noise_after=noise_after, seed=3)
     tr = SecureSGDTrainer(cfg, x, y)
     tr.model.noise.ramp = 0.0  # deterministic forward, so the g_i can be recomputed exactly
@@ -90,8 +90,8 @@ def test_per_example_norms_bounded_with_the_noise_layer_on():
 
 
 def test_ledger_and_training_survive_checkpoint_and_restore():
-    x, y = _data(48)
-    cfg = SecureSGDConfig(epsilon=None, noise_multiplier=1.0, batch_size=16, epochs=2, lr=0.1, noise_after=0, seed=1)
+    x, y = _data(24)
+    cfg = SecureSGDConfig(epsilon=None, noise_multiplier=1.0, batch_size=8, epochs=2, lr=0.1, noise_after=0, seed=1)
     straight = SecureSGDTrainer(cfg, x, y)
     for _ in range(4):
         straight.train_step()
@@ -112,7 +112,7 @@ def test_ledger_and_training_survive_checkpoint_and_restore():
     assert resumed.ledger.steps == 4 and resumed.ledger.entries[0].noise_multiplier == 1.0
     assert 0 < resumed.ledger.epsilon(1e-5, "rdp") < math.inf
     # negative control: a checkpoint of another config is refused
-    other = SecureSGDTrainer(SecureSGDConfig(epsilon=None, noise_multiplier=1.0, batch_size=16, epochs=2, lr=0.1,
+    other = SecureSGDTrainer(SecureSGDConfig(epsilon=None, noise_multiplier=1.0, batch_size=8, epochs=2, lr=0.1,
                                              noise_after=0, seed=2), x, y)
     with pytest.raises(ValueError, match="config"):
         other.load_state_dict(first.state_dict())
