@@ -133,7 +133,15 @@ def noise_multiplier_for(target_epsilon: float, delta: float, sampling_rate: flo
     open_unit_or_one(sampling_rate, "sampling_rate")
 
     def eps(sigma: float) -> float:
-        return epsilon(subsampled_gaussian_event(sampling_rate, sigma, steps), delta, accountant)
+        event = subsampled_gaussian_event(sampling_rate, sigma, steps)
+        if accountant == "rdp":
+            # The search runs on dp-accounting's default orders, a subset of RDP_ORDERS: the epsilon
+            # on the full grid is never larger, so the sigma found is sound for the reported epsilon
+            # (at most a hair above the smallest one) and the search is about 5x faster.
+            acc = rdp_privacy_accountant.RdpAccountant()
+            acc.compose(event)
+            return float(acc.get_epsilon(delta))
+        return epsilon(event, delta, accountant)
 
     lo, hi = 0.0, 1.0
     while eps(hi) > target_epsilon:
