@@ -61,10 +61,13 @@ def _summary_columns(trials) -> list[str]:
 def _privacy_section(sweep: Sweep) -> list[str]:
     m, tags, trials = sweep.parent_metrics, sweep.parent_tags, sweep.trials
     lines = ["## Privacy of the sweep", ""]
-    eps = trials["epsilon"].dropna().astype(float) if "epsilon" in trials else []
-    eps = [e for e in eps if math.isfinite(e)]
+    all_eps = list(trials["epsilon"].dropna().astype(float)) if "epsilon" in trials else []
+    eps = [e for e in all_eps if math.isfinite(e)]
     if eps:
         lines.append(f"Per-trial epsilon: {min(eps):.4g} to {max(eps):.4g} (each holds for its own trial only).")
+    if len(eps) < len(all_eps):
+        lines.append(f"{len(all_eps) - len(eps)} trial(s) have no guarantee (epsilon infinite: non-private "
+                     "baselines); the epsilon plots leave them out.")
     if "tuning_epsilon" in m:
         released = trials[trials["released"]] if "released" in trials else trials.iloc[0:0]
         rel = (f" The released trial is `{released.iloc[0]['run']}`" if len(released) else "")

@@ -59,6 +59,15 @@ def _typed(value: str):
     return value
 
 
+def metric_value(value) -> float:
+    """A metric as logged: MLflow's SQL store keeps +-inf (a non-private trial's epsilon) as
+    +-1.797e308, the largest float; read that back as infinity."""
+    out = float(value)
+    if abs(out) >= 1e308:
+        return math.copysign(math.inf, out)
+    return out
+
+
 def _latest_sweep(client, exp_id: str):
     runs = retry(lambda: client.search_runs([exp_id], filter_string="tags.`dpsweep.kind` = 'sweep'",
                                             order_by=["attributes.start_time DESC"], max_results=1),
@@ -90,7 +99,7 @@ def load_sweep(experiment: str, tracking_uri: str, *, parent_run_id: str | None 
                "trainable": run.data.tags.get(TAG_TRAINABLE, ""), "status": run.info.status,
                "released": run.data.tags.get("dpsweep.released") == "true"}
         row.update({f"param.{k}": _typed(v) for k, v in run.data.params.items()})
-        row.update({k: float(v) for k, v in run.data.metrics.items()})
+        row.update({k: metric_value(v) for k, v in run.data.metrics.items()})
         rows.append(row)
     trials = pd.DataFrame(rows)
     return Sweep(client, experiment, tracking_uri, parent, trials)
