@@ -36,7 +36,7 @@ class DPSGDTrialConfig(CommonConfig):
     max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False, description="C: per-example gradient clipping bound (l2)")
     batch_size: int = Field(256, gt=0, description="expected batch size; Poisson sampling rate q = batch_size / train_size")
     epochs: int = Field(5, gt=0, description="training epochs of ceil(train_size / batch_size) steps")
-    lr: float = Field(0.5, gt=0, allow_inf_nan=False, description="learning rate")
+    lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="learning rate")
     optimizer: Literal["sgd", "adam"] = Field("sgd", description="optimizer applied to the noisy gradient")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="L2 weight decay")
