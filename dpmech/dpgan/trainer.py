@@ -1,0 +1,318 @@
+"""DPGAN training (Xie et al. 2018, Algorithm 1), resumable epoch by epoch.
+
+Critic step (Alg. 1 lines 3-9), with the paper's assumption on c_g *enforced*:
+
+* line 4: a real batch drawn by Poisson sampling, each training example independently with
+  probability q = m / N (explicit generator); the only place that reads the training tensors is
+  :meth:`DPGANTrainer._sample_real_batch`;
+* line 5: m fake examples G(z, y') with z ~ N(0, I) and labels y' uniform over the classes (no real
+  data: neither images nor the label distribution);
+* line 6: the critic loss L = mean_fake f(G(z, y'), y') - (1/m) sum_real f(x_i, y_i); the real term's
+  per-example gradients (torch.func vmap/grad) are each clipped to norm <= c_g;
+* line 7: Gaussian noise N(0, (sigma c_g)^2 I) is added to the *sum* of the clipped real gradients,
+  which is then divided by the expected batch size m (Abadi et al. 2016's normalisation, so the
+  divisor does not depend on the data); the fake term's gradient is added without noise, as it is
+  a function of the previous critic weights and the generator only;
+* line 8: one RMSProp (or Adam) step on the noisy gradient (post-processing);
+* line 9: the critic weights are clipped to [-c_p, c_p] (post-processing);
+* every critic step taken is recorded in the :class:`PrivacyLedger` as (q, sigma, 1).
+
+Generator step (lines 10-12), after every ``n_critic`` critic steps: z and labels y' are drawn
+afresh and G descends -mean f(G(z, y'), y'). It reads the critic's released weights only, never a
+real example, and is not counted (post-processing).
+
+The non-private baseline (epsilon None) is the plain conditional WGAN: the same sampling and
+weight clipping, no per-example clipping, no noise; its ledger records sigma = 0 (epsilon inf).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch.func import functional_call, grad_and_value, vmap
+
+from dpmech.accounting import PrivacyLedger
+from dpmech.data import num_classes
+from dpmech.dpgan.config import (DPGANConfig, calibrate_noise, paper_lemma2_epsilon, planned_critic_steps,
+                                 sampling_rate, steps_per_epoch)
+from dpmech.dpgan.models import DPGANModel
+
+
+class DPGANTrainer:
+    """Trains a conditional DPGAN on in-memory tensors (images in [-1, 1], int64 labels)."""
+
+    def __init__(self, config: DPGANConfig, x_train: torch.Tensor, y_train: torch.Tensor, *,
+                 device: str | torch.device = "cpu", judge_data: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 judge_epochs: int = 3, eval_samples: int = 500):
+        config.validate()
+        self.config = config
+        self.device = torch.device(device)
+        if x_train.dim() != 4 or y_train.dim() != 1 or x_train.shape[0] != y_train.shape[0]:
+            raise ValueError(f"x_train must be [N, C, H, W] with N labels, got {tuple(x_train.shape)} "
+                             f"and {tuple(y_train.shape)}")
+        self.classes = num_classes(config.dataset)
+        if y_train.min().item() < 0 or y_train.max().item() >= self.classes:
+            raise ValueError(f"y_train must hold labels in [0, {self.classes})")
+        self._x = x_train.to(self.device)
+        self._y = y_train.to(self.device)
+        self.n = int(x_train.shape[0])
+        self.input_shape = tuple(x_train.shape[1:])
+        # The privacy plan: q, critic steps per epoch, and sigma calibrated for all planned steps.
+        self.sampling_rate = sampling_rate(self.n, config.batch_size)
+        self.expected_batch = self.sampling_rate * self.n
+        self.steps_per_epoch = steps_per_epoch(self.n, config.batch_size)
+        self.planned_critic_steps = planned_critic_steps(config, self.n)
+        self.noise_multiplier = calibrate_noise(config, self.n)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            self.model = DPGANModel(self.input_shape, self.classes, config.latent_dim, config.hidden,
+                                    config.architecture).to(self.device)
+        self.generator, self.critic = self.model.generator, self.model.critic
+        self._clip_critic_weights()
+        opt = torch.optim.RMSprop if config.optimizer == "rmsprop" else torch.optim.Adam
+        kw = {} if config.optimizer == "rmsprop" else {"betas": (0.5, 0.9)}
+        self.critic_opt = opt(self.critic.parameters(), lr=config.lr_critic, **kw)
+        self.generator_opt = opt(self.generator.parameters(), lr=config.lr_generator, **kw)
+        self.sample_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)      # Poisson sampling
+        self.noise_gen = torch.Generator(device=self.device).manual_seed(config.seed + 2)  # Gaussian noise
+        self.latent_gen = torch.Generator(device=self.device).manual_seed(config.seed + 3)  # z and fake labels
+        self.ledger = PrivacyLedger()
+        self.epoch = 0
+        self.critic_steps = 0
+        self.generator_steps = 0
+        self.clipped_examples = 0   # real examples whose gradient norm exceeded c_g (diagnostic)
+        self.real_examples = 0
+        self.last_clipped_norms: torch.Tensor | None = None  # per-example norms after clipping, last step
+        # Evaluation: a classifier trained on real, non-training data (dpmech.dpgan.evaluate).
+        self._judge_data = judge_data
+        self.judge_epochs = judge_epochs
+        self.eval_samples = eval_samples
+        self._judge = None
+
+    # -------------------------------------------------------------- data access
+    def _sample_real_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Alg. 1 line 4: a Poisson sample of the training set (each example with probability q).
+        The only reader of the training examples during training."""
+        mask = torch.rand(self.n, generator=self.sample_gen) < self.sampling_rate
+        idx = mask.nonzero().squeeze(1).to(self.device)
+        return self._x[idx], self._y[idx]
+
+    def _latent(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """z ~ N(0, I) and labels uniform over the classes (Alg. 1 lines 5 and 10)."""
+        z = torch.randn(m, self.config.latent_dim, generator=self.latent_gen, device=self.device)
+        y = torch.randint(0, self.classes, (m,), generator=self.latent_gen, device=self.device)
+        return z, y
+
+    def _fake_batch_size(self) -> int:
+        return max(1, round(self.expected_batch))
+
+    # -------------------------------------------------------------- critic
+    def clipped_real_gradients(self, xb: torch.Tensor, yb: torch.Tensor):
+        """Per-example gradients of the real term -f_w(x_i, y_i), each clipped to norm <= c_g.
+
+        Returns ``(grads, scores, norms_before, norms_after)``: ``grads[name]`` is ``[B, *shape]``.
+        """
+        params = {k: p.detach() for k, p in self.critic.named_parameters()}
+        yoh = torch.nn.functional.one_hot(yb, self.classes).to(xb.dtype)
+
+        def neg_score(p, x, y):
+            return -functional_call(self.critic, p, (x.unsqueeze(0), y.unsqueeze(0))).squeeze(0)
+
+        grads, neg = vmap(grad_and_value(neg_score), in_dims=(None, 0, 0))(params, xb, yoh)
+        norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in grads.values()))
+        factor = (self.config.clip_grad / (norms + 1e-12)).clamp(max=1.0)
+        clipped = {k: g * factor.view(-1, *([1] * (g.dim() - 1))) for k, g in grads.items()}
+        return clipped, -neg.detach(), norms.detach(), (norms * factor).detach()
+
+    def _noisy_real_gradient(self, xb: torch.Tensor, yb: torch.Tensor):
+        """Alg. 1 lines 6-7: (sum of clipped per-example gradients + N(0, (sigma c_g)^2 I)) / m."""
+        c_g, sigma = self.config.clip_grad, self.noise_multiplier
+        if xb.shape[0] > 0:
+            clipped, scores, before, after = self.clipped_real_gradients(xb, yb)
+            summed = {k: g.sum(0) for k, g in clipped.items()}
+            self.last_clipped_norms = after
+            self.clipped_examples += int((before > c_g).sum())
+            self.real_examples += int(xb.shape[0])
+        else:  # an empty Poisson sample still releases noise
+            summed = {k: torch.zeros_like(p) for k, p in self.critic.named_parameters()}
+            scores = torch.zeros(0, device=self.device)
+            self.last_clipped_norms = torch.zeros(0, device=self.device)
+        out = {}
+        for k, s in summed.items():
+            noise = torch.randn(s.shape, generator=self.noise_gen, device=self.device, dtype=s.dtype)
+            out[k] = (s + sigma * c_g * noise) / self.expected_batch
+        return out, scores
+
+    def critic_step(self) -> dict[str, float]:
+        """One critic step (Alg. 1 lines 4-9); returns the critic loss and Wasserstein estimate."""
+        cfg = self.config
+        xb, yb = self._sample_real_batch()
+        z, yf = self._latent(self._fake_batch_size())
+        with torch.no_grad():
+            xf = self.generator(z, yf)
+        params = list(self.critic.parameters())
+        fake_mean = self.critic(xf, yf).mean()
+        fake_grads = torch.autograd.grad(fake_mean, params)
+        if cfg.private:
+            real_grads, scores = self._noisy_real_gradient(xb, yb)
+            real_grads = [real_grads[k] for k, _ in self.critic.named_parameters()]
+        else:  # the plain WGAN baseline: gradient of -mean f(real)
+            if xb.shape[0] > 0:
+                out = self.critic(xb, yb)
+                real_grads = torch.autograd.grad(-out.mean(), params)
+                scores = out.detach()
+            else:
+                real_grads = [torch.zeros_like(p) for p in params]
+                scores = torch.zeros(0, device=self.device)
+        self.critic_opt.zero_grad(set_to_none=True)
+        for p, gr, gf in zip(params, real_grads, fake_grads):
+            p.grad = gr + gf
+        self.critic_opt.step()
+        self._clip_critic_weights()
+        self.ledger.record(self.sampling_rate, self.noise_multiplier, 1)
+        self.critic_steps += 1
+        real_mean = scores.mean().item() if scores.numel() else 0.0
+        return {"critic_loss": fake_mean.item() - real_mean, "wasserstein": real_mean - fake_mean.item()}
+
+    @torch.no_grad()
+    def _clip_critic_weights(self) -> None:
+        """Alg. 1 line 9: w <- clip(w, -c_p, c_p)."""
+        for p in self.critic.parameters():
+            p.clamp_(-self.config.clip_weight, self.config.clip_weight)
+
+    # -------------------------------------------------------------- generator
+    def generator_step(self) -> float:
+        """Alg. 1 lines 10-12: G descends -mean f(G(z, y'), y'); no real data is read."""
+        z, yf = self._latent(self._fake_batch_size())
+        loss = -self.critic(self.generator(z, yf), yf).mean()
+        self.generator_opt.zero_grad(set_to_none=True)
+        loss.backward(inputs=list(self.generator.parameters()))
+        self.generator_opt.step()
+        self.generator_steps += 1
+        return loss.item()
+
+    # -------------------------------------------------------------- training
+    def train_epoch(self, progress=None) -> dict[str, float]:
+        """``steps_per_epoch`` critic steps, a generator step after every ``n_critic``-th.
+
+        ``train_loss`` is the mean critic loss (minus the Wasserstein estimate) over the epoch. It
+        reads the real batches outside the noisy mechanism: a diagnostic, not covered by epsilon.
+        """
+        losses, w = [], []
+        for b in range(self.steps_per_epoch):
+            out = self.critic_step()
+            losses.append(out["critic_loss"])
+            w.append(out["wasserstein"])
+            if self.critic_steps % self.config.n_critic == 0:
+                self.generator_step()
+            if progress is not None:
+                progress(b + 1, self.steps_per_epoch)
+        self.epoch += 1
+        return {"train_loss": sum(losses) / len(losses), "wasserstein": sum(w) / len(w)}
+
+    # -------------------------------------------------------------- sampling and scores
+    @torch.no_grad()
+    def sample(self, labels: torch.Tensor, seed: int, batch_size: int = 2000) -> torch.Tensor:
+        """Images G(z, y) for the given labels, z from a generator seeded by ``seed``."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        labels = labels.to(self.device)
+        out = []
+        for s in range(0, labels.shape[0], batch_size):
+            yb = labels[s:s + batch_size]
+            z = torch.randn(yb.shape[0], self.config.latent_dim, generator=gen, device=self.device)
+            out.append(self.generator(z, yb))
+        return torch.cat(out) if out else torch.zeros(0, *self.input_shape, device=self.device)
+
+    @torch.no_grad()
+    def critic_scores(self, x: torch.Tensor, y: torch.Tensor, batch_size: int = 2000) -> torch.Tensor:
+        """f_w(x, y) for each example (the privacy audit's membership score)."""
+        return torch.cat([self.critic(x[s:s + batch_size].to(self.device), y[s:s + batch_size].to(self.device)).cpu()
+                          for s in range(0, x.shape[0], batch_size)])
+
+    def judge(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None):
+        """The real-data classifier that scores samples (trained once, deterministically, on
+        ``judge_data``; without it, on the first (x, y) given, which must not be training data)."""
+        if self._judge is None:
+            from dpmech.dpgan.evaluate import train_classifier
+
+            jx, jy = self._judge_data if self._judge_data is not None else (x, y)
+            if jx is None:
+                raise ValueError("judge_data: no real non-training data to train the sample-quality classifier on")
+            self._judge = train_classifier(jx, jy, classes=self.classes, epochs=self.judge_epochs,
+                                           seed=self.config.seed + 4, device=self.device)
+        return self._judge
+
+    @torch.no_grad()
+    def accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Per-epoch ``test_acc``: the fraction of samples conditioned on the first
+        ``eval_samples`` test labels that the real-data judge classifies as their label
+        (the same latent draws every epoch, so epochs are comparable)."""
+        from dpmech.dpgan.evaluate import predict
+
+        judge = self.judge(x, y)
+        labels = y[:self.eval_samples].to(self.device)
+        images = self.sample(labels, seed=self.config.seed + 5)
+        return float((predict(judge, images) == labels).float().mean())
+
+    # -------------------------------------------------------------- privacy
+    def privacy(self) -> dict[str, float]:
+        """Epsilon of the critic steps actually taken (from the ledger, dp-accounting), the PLD
+        epsilon beside it, and the paper's Lemma 2 formula for the same run (not a guarantee)."""
+        cfg = self.config
+        out = {
+            "epsilon": self.ledger.epsilon(cfg.delta, "rdp") if self.critic_steps else 0.0,
+            "epsilon_pld": self.ledger.epsilon(cfg.delta, "pld") if self.critic_steps else 0.0,
+            "delta": cfg.delta,
+            "epsilon_paper_lemma2": paper_lemma2_epsilon(self.noise_multiplier, self.sampling_rate,
+                                                         self.critic_steps, cfg.delta),
+            "noise_multiplier": self.noise_multiplier,
+            "sampling_rate": self.sampling_rate,
+            "critic_steps": float(self.critic_steps),
+            "generator_steps": float(self.generator_steps),
+            "clipped_fraction": self.clipped_examples / self.real_examples if self.real_examples else 0.0,
+        }
+        if not cfg.private:
+            out["epsilon_pld"] = math.inf
+        return out
+
+    # -------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict:
+        """A snapshot of everything needed to continue bit for bit (model, optimizers, the three
+        generators, the ledger, counters)."""
+        return copy.deepcopy({
+            "config": self.config.to_dict(),
+            "n": self.n,
+            "noise_multiplier": self.noise_multiplier,
+            "model": self.model.state_dict(),
+            "critic_opt": self.critic_opt.state_dict(),
+            "generator_opt": self.generator_opt.state_dict(),
+            "sample_gen": self.sample_gen.get_state(),
+            "noise_gen": self.noise_gen.get_state(),
+            "latent_gen": self.latent_gen.get_state(),
+            "ledger": self.ledger.state_dict(),
+            "epoch": self.epoch,
+            "critic_steps": self.critic_steps,
+            "generator_steps": self.generator_steps,
+            "clipped_examples": self.clipped_examples,
+            "real_examples": self.real_examples,
+        })
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["config"] != self.config.to_dict() or int(state["n"]) != self.n:
+            raise ValueError("checkpoint config does not match this trainer's config and data")
+        if float(state["noise_multiplier"]) != self.noise_multiplier:
+            raise ValueError("checkpoint noise_multiplier does not match this trainer's calibration")
+        self.model.load_state_dict(state["model"])
+        self.critic_opt.load_state_dict(state["critic_opt"])
+        self.generator_opt.load_state_dict(state["generator_opt"])
+        self.sample_gen.set_state(state["sample_gen"].cpu())
+        self.noise_gen.set_state(state["noise_gen"].cpu())
+        self.latent_gen.set_state(state["latent_gen"].cpu())
+        self.ledger.load_state_dict(state["ledger"])
+        self.epoch = int(state["epoch"])
+        self.critic_steps = int(state["critic_steps"])
+        self.generator_steps = int(state["generator_steps"])
+        self.clipped_examples = int(state["clipped_examples"])
+        self.real_examples = int(state["real_examples"])

@@ -1,0 +1,256 @@
+"""DPGAN (dpmech.dpgan, trainables.dpgan): the enforced per-example bound c_g, weight clipping,
+the generator's isolation from real data, the ledger's epsilon, checkpoints, and a short run that
+beats chance in train-on-synthetic accuracy. Tiny subsets and networks (docs/dpgan.md)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from dp_accounting import dp_event as dpe
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from dpmech.accounting import RDP_ORDERS, noise_multiplier_for
+from dpmech.dpgan import DPGANConfig, DPGANTrainer, paper_lemma2_epsilon, paper_lemma2_sigma
+from dpmech.dpgan.evaluate import sample_scores, synthetic_dataset, tstr_accuracy
+
+
+def _data(n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, 1, 28, 28, generator=g) * 2 - 1
+    y = torch.randint(0, 10, (n,), generator=g)
+    return x, y
+
+
+SIGMA = 1.3  # noise multiplier of the mechanics tests (calibration is tested on its own)
+
+
+def _trainer(n=256, calibrate=False, **kw):
+    base = dict(epsilon=5.0, delta=1e-5, epochs=2, batch_size=32, hidden=16, latent_dim=8, clip_grad=0.5,
+                clip_weight=0.05, n_critic=2)
+    base.update(kw)
+    x, y = _data(n)
+    cfg = DPGANConfig(**base)
+    if calibrate or not cfg.private:
+        return DPGANTrainer(cfg, x, y)
+    with pytest.MonkeyPatch.context() as mp:  # skip the (slow) bisection; sigma is recorded as used
+        mp.setattr("dpmech.dpgan.trainer.calibrate_noise", lambda config, n: SIGMA)
+        return DPGANTrainer(cfg, x, y)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+# ------------------------------------------------------------------ the critic's mechanism
+def test_per_example_gradient_norms_are_clipped_before_noise():
+    tr = _trainer()
+    # negative control: without clipping some per-example norms exceed c_g (so the bound is active)
+    xb, yb = tr._x[:64], tr._y[:64]
+    _, _, before, after = tr.clipped_real_gradients(xb, yb)
+    assert (before > tr.config.clip_grad).any()
+    assert (after <= tr.config.clip_grad + 1e-6).all()
+    # the norms recomputed from the returned per-example gradients, and at every step of training
+    clipped, _, _, _ = tr.clipped_real_gradients(xb, yb)
+    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in clipped.values()))
+    assert (norms <= tr.config.clip_grad + 1e-6).all()
+    for _ in range(10):
+        tr.critic_step()
+        assert tr.last_clipped_norms is not None
+        assert (tr.last_clipped_norms <= tr.config.clip_grad + 1e-6).all()
+
+
+def test_per_example_gradients_match_autograd():
+    tr = _trainer()
+    xb, yb = tr._x[:3], tr._y[:3]
+    tr.config.clip_grad = 1e9  # no clipping: the per-example gradients themselves
+    clipped, scores, _, _ = tr.clipped_real_gradients(xb, yb)
+    for i in range(3):
+        tr.critic.zero_grad()
+        (-tr.critic(xb[i:i + 1], yb[i:i + 1]).sum()).backward()
+        for k, p in tr.critic.named_parameters():
+            torch.testing.assert_close(clipped[k][i], p.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(scores, tr.critic(xb, yb).detach())
+
+
+def test_noise_is_added_to_the_clipped_sum_with_std_sigma_cg():
+    """The released real-data gradient minus the clipped sum / m has per-coordinate std sigma c_g / m."""
+    tr = _trainer(n=2000, batch_size=100)
+    xb, yb = tr._x[:100], tr._y[:100]
+    clipped, _, _, _ = tr.clipped_real_gradients(xb, yb)
+    noisy, _ = tr._noisy_real_gradient(xb, yb)
+    resid = torch.cat([(noisy[k] * tr.expected_batch - clipped[k].sum(0)).flatten() for k in clipped])
+    expected = tr.noise_multiplier * tr.config.clip_grad
+    assert resid.numel() > 10000
+    assert abs(resid.std().item() / expected - 1) < 0.03
+    assert abs(resid.mean().item()) < 4 * expected / math.sqrt(resid.numel())
+
+
+def test_critic_weights_within_clip_after_every_step():
+    tr = _trainer(lr_critic=0.05)  # a large step, so unclipped weights would leave the box
+    c_p = float(np.float32(tr.config.clip_weight))  # the clamp bound as the float32 weights hold it
+    for _ in range(8):
+        tr.critic_step()
+        assert all(p.abs().max().item() <= c_p for p in tr.critic.parameters())
+    assert any(p.abs().max().item() == pytest.approx(c_p) for p in tr.critic.parameters())
+
+
+def test_generator_step_reads_no_real_data():
+    tr = _trainer()
+    for _ in range(2):
+        tr.critic_step()
+    calls = {"n": 0}
+    original = tr._sample_real_batch
+
+    def spy():
+        calls["n"] += 1
+        return original()
+
+    tr._sample_real_batch = spy
+    # the training tensors become NaN after the critic step: a generator step that read them
+    # (directly or through anything but the critic's weights) would produce NaN parameters
+    tr._x.fill_(float("nan"))
+    tr._y.fill_(0)
+    before = [p.detach().clone() for p in tr.generator.parameters()]
+    critic_before = [p.detach().clone() for p in tr.critic.parameters()]
+    tr.generator_step()
+    assert calls["n"] == 0
+    after = list(tr.generator.parameters())
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(after, before))
+    assert all(torch.equal(a, b) for a, b in zip(tr.critic.parameters(), critic_before))
+    # the critic step does read the real data (negative control: NaNs propagate there)
+    tr.critic_step()
+    assert calls["n"] == 1
+    assert not all(torch.isfinite(p).all() for p in tr.critic.parameters())
+
+
+def test_fake_term_needs_no_real_data():
+    """The critic step's fake term depends on the generator and the critic only: with the real
+    batch emptied, the update is the fake gradient plus pure noise."""
+    tr = _trainer(epsilon=None)
+    tr._sample_real_batch = lambda: (tr._x[:0], tr._y[:0])
+    tr.critic_step()
+    assert all(torch.isfinite(p).all() for p in tr.critic.parameters())
+
+
+# ------------------------------------------------------------------ accounting
+def test_epsilon_equals_dp_accounting_for_the_recorded_ledger():
+    tr = _trainer(n=512, batch_size=32, epochs=2, epsilon=1.0, calibrate=True)
+    tr.train_epoch()
+    assert tr.ledger.steps == tr.critic_steps == tr.steps_per_epoch == 16
+    q, sigma = 32 / 512, tr.noise_multiplier
+    acc = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS))
+    acc.compose(dpe.SelfComposedDpEvent(dpe.PoissonSampledDpEvent(q, dpe.GaussianDpEvent(sigma)), 16))
+    priv = tr.privacy()
+    assert priv["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+    assert priv["epsilon_pld"] <= priv["epsilon"] * 1.01
+    # calibrated for all planned steps (2 epochs): one epoch spends less than the target
+    assert priv["epsilon"] < 1.0
+    tr.train_epoch()
+    assert 0.99 < tr.privacy()["epsilon"] <= 1.0
+    assert sigma == noise_multiplier_for(1.0, 1e-5, q, 32)
+
+
+def test_paper_lemma2_formula():
+    q, n_d, delta = 0.01, 1000, 1e-5
+    sigma = paper_lemma2_sigma(2.0, q, n_d, delta)
+    assert sigma == pytest.approx(2 * q / 2.0 * math.sqrt(n_d * math.log(1 / delta)))
+    assert paper_lemma2_epsilon(sigma, q, n_d, delta) == pytest.approx(2.0)
+    tr = _trainer(epochs=1)
+    tr.train_epoch()
+    priv = tr.privacy()
+    assert priv["epsilon_paper_lemma2"] == pytest.approx(
+        paper_lemma2_epsilon(tr.noise_multiplier, tr.sampling_rate, tr.critic_steps, 1e-5))
+
+
+def test_non_private_mode_has_no_noise_and_infinite_epsilon():
+    tr = _trainer(epsilon=None, epochs=1)
+    assert tr.noise_multiplier == 0.0
+    tr.train_epoch()
+    priv = tr.privacy()
+    assert math.isinf(priv["epsilon"]) and math.isinf(priv["epsilon_paper_lemma2"])
+
+
+def test_poisson_sampling_rate():
+    tr = _trainer(n=2000, batch_size=100)
+    sizes = [tr._sample_real_batch()[0].shape[0] for _ in range(200)]
+    # Binomial(2000, 0.05): mean 100, sd ~9.7; the mean of 200 draws is within 4 sd / sqrt(200)
+    assert abs(np.mean(sizes) - 100) < 4 * 9.75 / math.sqrt(200)
+    assert np.std(sizes) > 5  # not a fixed-size batch
+
+
+# ------------------------------------------------------------------ checkpoints
+def test_state_dict_round_trip_continues_bit_for_bit():
+    a = _trainer(epochs=2)
+    a.train_epoch()
+    state = a.state_dict()
+    b = _trainer(epochs=2)
+    b.load_state_dict(state)
+    assert b.ledger == a.ledger and b.ledger.steps == a.critic_steps
+    assert b.privacy() == a.privacy()
+    a.train_epoch()
+    b.train_epoch()
+    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb)
+    assert a.ledger == b.ledger
+
+
+def test_state_dict_survives_torch_save_weights_only(tmp_path):
+    a = _trainer(epochs=1)
+    a.train_epoch()
+    torch.save(a.state_dict(), tmp_path / "s.pt")
+    state = torch.load(tmp_path / "s.pt", weights_only=True)
+    b = _trainer(epochs=1)
+    b.load_state_dict(state)
+    assert b.ledger == a.ledger
+
+
+def test_bad_config_names_the_field():
+    with pytest.raises(ValueError, match="clip_grad"):
+        DPGANConfig(clip_grad=0)
+    with pytest.raises(ValueError, match="epsilon"):
+        DPGANConfig(epsilon=-1.0)
+    with pytest.raises(ValueError, match="architecture"):
+        DPGANConfig(architecture="resnet")
+
+
+# ------------------------------------------------------------------ evaluation
+def test_sample_scores_on_a_perfect_and_a_useless_generator():
+    judge = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    with torch.no_grad():
+        judge[1].weight.copy_(torch.eye(3, 4) * 50)
+        judge[1].bias.zero_()
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    perfect = torch.eye(3, 4)[labels].view(6, 1, 2, 2)
+    s = sample_scores(judge, perfect, labels)
+    assert s["sample_quality"] == 1.0 and s["classifier_score"] == pytest.approx(3.0, rel=1e-3)
+    useless = torch.eye(3, 4)[torch.zeros(6, dtype=torch.long)].view(6, 1, 2, 2)
+    s = sample_scores(judge, useless, labels)
+    assert s["sample_quality"] == pytest.approx(1 / 3) and s["classifier_score"] == pytest.approx(1.0, rel=1e-3)
+
+
+@pytest.mark.slow
+def test_short_run_beats_chance_in_train_on_synthetic_accuracy():
+    from dpmech.data import load_splits
+
+    train, test = load_splits("mnist", train_size=2000, test_size=500, seed=0)
+    x, y = train.tensors
+    xt, yt = test.tensors
+    cfg = DPGANConfig(epsilon=None, epochs=20, batch_size=64, n_critic=2, hidden=64, latent_dim=32,
+                      clip_weight=0.05, lr_critic=5e-4, lr_generator=5e-4, seed=0)
+    tr = DPGANTrainer(cfg, x, y)
+    for _ in range(cfg.epochs):
+        tr.train_epoch()
+    acc = tstr_accuracy(tr, xt, yt, n_samples=1000, epochs=2, seed=0)
+    # negative control: the untrained generator's samples carry no label information
+    untrained = DPGANTrainer(cfg, x, y)
+    acc0 = tstr_accuracy(untrained, xt, yt, n_samples=1000, epochs=2, seed=0)
+    assert acc0 < 0.2
+    assert acc > 0.3, acc

@@ -1,0 +1,113 @@
+"""The ``dpgan`` trainable: DPGAN (Xie et al. 2018) under Ray Tune.
+
+Every key and its default: ``DPGANTrialConfig`` below (``dpsweep mechanisms``). The mechanism is
+``dpmech.dpgan``; the decisions it takes are in docs/dpgan.md. Evaluation replaces the classifier
+metrics: ``acc_clean`` is the train-on-synthetic, test-on-real accuracy ``tstr_acc``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from dpmech.dpgan import DPGANConfig, DPGANTrainer
+from dpmech.dpgan.config import planned_event
+from dpmech.dpgan.evaluate import evaluate_samples, sample_grid
+from trainables.config import CommonConfig
+from trainables.runtime import TrainerMechanism, run_trial
+
+_TRAINER_KEYS = ("dataset", "epsilon", "delta", "epochs", "batch_size", "n_critic", "clip_grad", "clip_weight",
+                 "lr_critic", "lr_generator", "optimizer", "latent_dim", "hidden", "seed")
+
+
+class DPGANTrialConfig(CommonConfig):
+    """DPGAN (docs/dpgan.md): a conditional WGAN whose critic takes clipped, noisy steps on real data."""
+
+    epsilon: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
+        3.2, description="target epsilon of the critic's noisy steps (RDP, at delta); null = non-private WGAN")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of the guarantee")
+    epochs: int = Field(30, gt=0, description="epochs; one epoch = ceil(N / batch_size) critic steps")
+    batch_size: int = Field(64, gt=0, description="expected real batch size m (Poisson sampling at q = m / N)")
+    n_critic: int = Field(5, gt=0, description="n_d: critic steps per generator step")
+    clip_grad: float = Field(1.0, gt=0, allow_inf_nan=False, description="c_g: per-example critic-gradient norm bound (enforced by clipping)")
+    clip_weight: float = Field(0.01, gt=0, allow_inf_nan=False, description="c_p: critic weights clipped to [-c_p, c_p]")
+    lr_critic: float = Field(2e-4, gt=0, allow_inf_nan=False, description="critic learning rate")
+    lr_generator: float = Field(2e-4, gt=0, allow_inf_nan=False, description="generator learning rate")
+    optimizer: Literal["rmsprop", "adam"] = Field("rmsprop", description="optimizer of both networks (the paper: RMSProp)")
+    latent_dim: int = Field(64, gt=0, description="dimension of the generator's latent z")
+    hidden: int = Field(256, gt=0, description="width h of the MLPs (critic 2h-h, generator h-2h)")
+    tstr_samples: int = Field(10000, gt=0, description="synthetic labelled images the tstr_acc classifier is trained on")
+    tstr_epochs: int = Field(3, gt=0, description="epochs of the tstr_acc classifier")
+    judge_size: int = Field(10000, gt=0, description="real non-training images the sample-quality classifier is trained on")
+    judge_epochs: int = Field(3, gt=0, description="epochs of the sample-quality classifier")
+    quality_samples: int = Field(2000, gt=0, description="synthetic images scored by sample_quality")
+    eval_samples: int = Field(500, gt=0, description="synthetic images scored per epoch (test_acc)")
+    certify_images: int = Field(0, ge=0, le=0, description="DPGAN certifies nothing (must be 0)")
+
+    protects_training_examples: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _dpgan_rules(self):
+        if self.attacks:
+            raise ValueError("attacks: DPGAN is evaluated by its samples (tstr_acc), not under attack; leave attacks empty")
+        return self
+
+
+def dpgan_config(cfg: DPGANTrialConfig) -> DPGANConfig:
+    return DPGANConfig(**{k: getattr(cfg, k) for k in _TRAINER_KEYS})
+
+
+def privacy_event(cfg: DPGANTrialConfig):
+    """The trial's planned dp-accounting event (Poisson-subsampled Gaussian critic steps)."""
+    return planned_event(dpgan_config(cfg), cfg.train_size)
+
+
+def judge_data(cfg: DPGANTrialConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Up to ``judge_size`` real examples in neither the training nor the evaluation subset (None
+    when the two subsets use everything: then the judge trains on the evaluation set)."""
+    from dpmech.data import load_held_out, subset_indices
+
+    try:
+        pool = load_held_out(cfg.dataset, train_size=cfg.train_size, test_size=cfg.test_size, seed=cfg.data_seed)
+    except ValueError:
+        return None
+    x, y = pool.tensors
+    k = min(cfg.judge_size, x.shape[0])
+    idx = torch.from_numpy(subset_indices(x.shape[0], k, cfg.seed))
+    return x[idx], y[idx]
+
+
+class DPGANMechanism(TrainerMechanism):
+    """Adapter from the trial config to ``dpmech.dpgan.DPGANTrainer``."""
+
+    def __init__(self, cfg: DPGANTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
+        self.cfg = cfg
+        self.trainer = DPGANTrainer(dpgan_config(cfg), x, y, device=device, judge_data=judge_data(cfg),
+                                    judge_epochs=cfg.judge_epochs, eval_samples=cfg.eval_samples)
+
+    def privacy(self):
+        return {k: float(v) for k, v in self.trainer.privacy().items()}
+
+    def conventional_accuracy(self, x, y, cfg: DPGANTrialConfig) -> dict[str, float]:
+        """tstr_acc (= acc_clean), sample_quality, sample_confidence, classifier_score, judge_acc."""
+        return evaluate_samples(self.trainer, x, y, tstr_samples=cfg.tstr_samples, tstr_epochs=cfg.tstr_epochs,
+                                quality_samples=cfg.quality_samples, seed=cfg.seed)
+
+    def certify(self, x, y, cfg):
+        return None
+
+    def membership_scores(self, x: torch.Tensor, y: torch.Tensor):
+        """The critic's score f_w(x, y): high where the critic takes (x, y) for real data."""
+        return self.trainer.critic_scores(x, y).numpy()
+
+    def extra_artifacts(self, directory):
+        """``samples/samples.png``: 10 generated images per class, one row per class."""
+        path = sample_grid(self.trainer, directory / "samples.png", per_class=10, seed=self.cfg.seed)
+        return [(path, "samples")]
+
+
+def dpgan(config: dict) -> None:
+    """Ray Tune function trainable for DPGAN (flat config; see the module docstring)."""
+    run_trial(config, DPGANTrialConfig, DPGANMechanism, "dpgan")
