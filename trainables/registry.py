@@ -56,6 +56,13 @@ REGISTRY: dict[str, TrainableEntry] = {
         "AdLM (Phan et al., ICDM 2017): LRP relevance released with Laplace noise, relevance-adaptive Laplace "
         "noise on the first affine transformation, functional-mechanism loss; epsilon = eps_1 + eps_2 + eps_3 "
         "(the paper's accounting, docs/adlm.md); no certificate."),
+    "dpgan": TrainableEntry(
+        "dpgan", "trainables.dpgan:dpgan", importlib.import_module("trainables.dpgan").DPGANTrialConfig,
+        "DPGAN (Xie et al. 2018): conditional WGAN, critic steps on Poisson-sampled real data with per-example "
+        "clipping at c_g, Gaussian noise and weight clipping; RDP/PLD epsilon from the ledger; evaluated by "
+        "train-on-synthetic accuracy (docs/dpgan.md).",
+        privacy_event="trainables.dpgan:privacy_event",
+        privacy_keys=("epsilon", "delta", "epochs", "batch_size", "train_size", "dataset")),
     "dpsgd": TrainableEntry(
         "dpsgd", "trainables.dpsgd:dpsgd", importlib.import_module("trainables.dpsgd").DPSGDTrialConfig,
         "DP-SGD (Abadi et al. 2016) through Opacus: Poisson sampling, per-example clipping (ghost or flat), "
