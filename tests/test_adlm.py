@@ -45,7 +45,7 @@ def mnist():
 @pytest.fixture(scope="module")
 def small_trainer(mnist):
     (x, y), _ = mnist
-    cfg = AdLMConfig(epsilon=3.0, batch_size=100, lr=1e-3, epochs=3, relevance_epochs=1, seed=5)
+    cfg = AdLMConfig(epsilon=3.0, batch_size=100, lr=1e-3, epochs=3, relevance_epochs=0, seed=5)
     return AdLMTrainer(cfg, x[:600], y[:600], relevance_data=(x[2000:2300], y[2000:2300]))
 
 
@@ -146,9 +146,9 @@ def test_relevance_sensitivity_on_real_lrp_maps(mnist):
     for norm in ("linf", "l1"):
         base = average_relevance(net, data, norm=norm)
         worst = 0.0
-        for i in range(20):
+        for i in range(10):
             swapped = data.clone()
-            swapped[i % 40] = torch.rand(SHAPE, generator=gen) * 2 - 1 if i % 2 else -swapped[i % 40]
+            swapped[i] = torch.rand(SHAPE, generator=gen) * 2 - 1 if i % 2 else -swapped[i]
             worst = max(worst, float((average_relevance(net, swapped, norm=norm) - base).abs().sum()))
         assert 0 < worst <= relevance_sensitivity(D, 40, norm)
 
@@ -284,7 +284,7 @@ def test_less_relevant_features_get_more_noise(small_trainer):
 
 def test_noise_is_drawn_once_and_a_restore_continues_bit_identically(mnist):
     (x, y), _ = mnist
-    cfg = AdLMConfig(epsilon=5.0, batch_size=100, lr=1e-3, epochs=3, relevance_epochs=1, seed=11)
+    cfg = AdLMConfig(epsilon=5.0, batch_size=100, lr=1e-3, epochs=3, relevance_epochs=0, seed=11)
     pub = (x[2000:2200], y[2000:2200])
     a = AdLMTrainer(cfg, x[:400], y[:400], relevance_data=pub)
     offset0, chi30, rel0 = a.model.offset.clone(), a.chi3.clone(), a.relevance.clone()
@@ -301,7 +301,7 @@ def test_noise_is_drawn_once_and_a_restore_continues_bit_identically(mnist):
         assert torch.equal(pa, pb), k
     assert torch.equal(b.model.offset, offset0) and torch.equal(b.chi3, chi30)
     assert a.privacy() == b.privacy()
-    other = AdLMTrainer(AdLMConfig(epsilon=5.0, batch_size=100, relevance_epochs=1, seed=12), x[:400], y[:400],
+    other = AdLMTrainer(AdLMConfig(epsilon=5.0, batch_size=100, relevance_epochs=0, seed=12), x[:400], y[:400],
                         relevance_data=pub)
     assert not torch.equal(other.model.offset, offset0)
     with pytest.raises(ValueError, match="config"):
@@ -315,12 +315,12 @@ def test_noise_is_drawn_once_and_a_restore_continues_bit_identically(mnist):
 def test_short_mnist_run_is_well_above_chance(mnist):
     (x, y), (xt, yt) = mnist
     cfg = AdLMConfig(epsilon=30.0, batch_size=100, lr=1e-3, epochs=1, relevance_epochs=1, seed=0)
-    t = AdLMTrainer(cfg, x[:2000], y[:2000], relevance_data=(x[2000:3000], y[2000:3000]))
+    t = AdLMTrainer(cfg, x[:2000], y[:2000], relevance_data=(x[2000:2500], y[2000:2500]))
     for _ in range(cfg.epochs):
         out = t.train_epoch()
         assert math.isfinite(out["train_loss"])
     acc = t.accuracy(xt, yt)
-    assert acc >= 0.7, acc                       # measured 0.834 (seeds 1, 2: 0.836, 0.826; chance 0.1)
+    assert acc >= 0.7, acc                       # measured 0.840 (seeds 1, 2: 0.822, 0.822; chance 0.1)
     assert t.privacy()["epsilon"] == pytest.approx(30.0)
 
 
@@ -353,7 +353,10 @@ def test_bad_training_data_is_refused(mnist):
         AdLMTrainer(cfg, x[:200] * 3, y[:200], relevance_data=(x[:10], y[:10]))
 
 
-def test_trainable_schema_and_adapter(tmp_path):
+def test_trainable_schema_and_adapter(tmp_path, mnist, monkeypatch):
+    import dpmech.data
+    from torch.utils.data import TensorDataset
+
     from trainables.adlm import AdLMMechanism, AdLMTrialConfig
     from trainables.runtime import validate_config
 
@@ -364,13 +367,21 @@ def test_trainable_schema_and_adapter(tmp_path):
     assert AdLMTrialConfig.protects_training_examples
     cfg = validate_config({"train_size": 300, "test_size": 100, "batch_size": 100, "relevance_public_size": 200,
                            "relevance_epochs": 0, "epochs": 1, "epsilon": 2.0}, AdLMTrialConfig)
-    train, test = load_splits("mnist", train_size=300, test_size=100, seed=0)
-    x, y = train.tensors
-    mech = AdLMMechanism(cfg, x, y, torch.device("cpu"))
+    (x, y), (xt, yt) = mnist
+    # the held-out pool (stubbed: no second load of MNIST) holds 5 training images, e.g. included canaries
+    pool = TensorDataset(torch.cat([x[:5], x[2000:2200]]), torch.cat([y[:5], y[2000:2200]]))
+    monkeypatch.setattr(dpmech.data, "load_held_out", lambda *a, **k: pool)
+    mech = AdLMMechanism(cfg, x[:300], y[:300], torch.device("cpu"))
     p = mech.privacy()
     for key in ("epsilon", "delta", "adlm_eps_relevance", "adlm_eps_features", "adlm_eps_loss"):
         assert isinstance(p[key], float)
     assert p["epsilon"] == pytest.approx(2.0) and p["adlm_relevance_public"] == 1.0
-    assert mech.certify(*test.tensors, cfg) is None
+    assert mech.certify(xt[:10], yt[:10], cfg) is None
     [(png, folder)] = mech.extra_artifacts(tmp_path)
     assert png.exists() and folder == "adlm"
+    from trainables.adlm import public_relevance_data
+
+    px, _ = public_relevance_data(cfg, x[:300])
+    assert px.shape[0] == 200 and not any(torch.equal(px[i], x[j]) for i in range(200) for j in range(5))
+    with pytest.raises(ValueError, match="relevance_public_size"):
+        public_relevance_data(cfg.model_copy(update={"relevance_public_size": 201}), x[:300])
