@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpmech.adlm import (AdLMConfig, AdLMTrainer, RelevanceNet, average_relevance, feature_copies, feature_scales,
+from dpmech.adlm import (AdLMConfig, AdLMTrainer, average_relevance, feature_copies, feature_scales,
                          feature_sensitivity, features_epsilon, loss_sensitivity, lrp_epsilon, normalized_relevance, redistribute,
                          relevance_sensitivity, split_budget, train_relevance_net)
 from dpmech.adlm.budget import uniform_share_loss
