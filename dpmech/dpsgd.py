@@ -35,7 +35,7 @@ Engine API (for DP-SGD itself and for mechanisms built on it, e.g. SecureSGD)::
     trainer = DPSGDTrainer(model, x_train, y_train, cfg, device="cpu")   # any nn.Module classifier
     # (optional plan_size=n: plan q = batch_size / n and the steps from n instead of len(x_train))
     trainer.train_epoch()            # -> {"train_loss", "train_acc", "batch_size_mean"}
-    trainer.train_step()             # one Poisson-sampled clipped noisy step (returns the batch size)
+    trainer.train_step()             # one Poisson-sampled clipped noisy step -> (batch size, loss sum, correct)
     trainer.privacy()                # epsilon (RDP), epsilon_pld, delta, noise_multiplier, sampling_rate, steps
     trainer.ledger                   # PrivacyLedger of the steps actually taken
     trainer.model                    # the plain nn.Module being trained (after ModuleValidator.fix)
