@@ -19,7 +19,7 @@ from trainables.config import CommonConfig
 from trainables.runtime import TrainerMechanism, run_trial
 
 _TRAINER_KEYS = ("dataset", "epsilon", "delta", "epochs", "batch_size", "n_critic", "clip_grad", "clip_weight",
-                 "lr_critic", "lr_generator", "optimizer", "latent_dim", "hidden", "seed")
+                 "lr_critic", "lr_generator", "optimizer", "latent_dim", "hidden", "architecture", "seed")
 
 
 class DPGANTrialConfig(CommonConfig):
@@ -30,14 +30,15 @@ class DPGANTrialConfig(CommonConfig):
     delta: float = Field(1e-5, gt=0, lt=1, description="delta of the guarantee")
     epochs: int = Field(30, gt=0, description="epochs; one epoch = ceil(N / batch_size) critic steps")
     batch_size: int = Field(64, gt=0, description="expected real batch size m (Poisson sampling at q = m / N)")
-    n_critic: int = Field(5, gt=0, description="n_d: critic steps per generator step")
+    n_critic: int = Field(1, gt=0, description="n_d: critic steps per generator step")
     clip_grad: float = Field(1.0, gt=0, allow_inf_nan=False, description="c_g: per-example critic-gradient norm bound (enforced by clipping)")
-    clip_weight: float = Field(0.01, gt=0, allow_inf_nan=False, description="c_p: critic weights clipped to [-c_p, c_p]")
-    lr_critic: float = Field(2e-4, gt=0, allow_inf_nan=False, description="critic learning rate")
-    lr_generator: float = Field(2e-4, gt=0, allow_inf_nan=False, description="generator learning rate")
+    clip_weight: float = Field(0.1, gt=0, allow_inf_nan=False, description="c_p: critic weights clipped to [-c_p, c_p]")
+    lr_critic: float = Field(1e-3, gt=0, allow_inf_nan=False, description="critic learning rate")
+    lr_generator: float = Field(1e-3, gt=0, allow_inf_nan=False, description="generator learning rate")
     optimizer: Literal["rmsprop", "adam"] = Field("rmsprop", description="optimizer of both networks (the paper: RMSProp)")
     latent_dim: int = Field(64, gt=0, description="dimension of the generator's latent z")
     hidden: int = Field(256, gt=0, description="width h of the MLPs (critic 2h-h, generator h-2h)")
+    architecture: Literal["mlp", "conv"] = Field("mlp", description="critic feature map: mlp (fast per-example gradients on CPUs) or conv (the reference's DCGAN critic, narrowed, no normalisation)")
     tstr_samples: int = Field(10000, gt=0, description="synthetic labelled images the tstr_acc classifier is trained on")
     tstr_epochs: int = Field(3, gt=0, description="epochs of the tstr_acc classifier")
     judge_size: int = Field(10000, gt=0, description="real non-training images the sample-quality classifier is trained on")
