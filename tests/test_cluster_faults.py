@@ -177,7 +177,7 @@ def killed_sweep(env):
     root = env.root / "multinode"
     root.mkdir()
     storage = root / "ray_results"
-    epochs = 4
+    epochs = 3
     spec = write_spec(root / "spec.yaml", "multinode", storage, {**COMMON, "epochs": epochs}, {"epsilon": [1.0]},
                       search={"algorithm": "grid", "num_samples": 2}, max_concurrent_trials=1)
     killed: dict = {}
@@ -311,8 +311,8 @@ def test_no_artifact_contains_a_training_example(env, killed_sweep, tmp_path):
 
 
 def test_sixteen_concurrent_writers_lose_nothing(env):
-    """16 trials' trackers log 100 values each at the same time (one request per value): all
-    1,600 are in the store."""
+    """16 trials' trackers log 100 values each at the same time (25 requests of 4 metrics, as a
+    trial logs an epoch): all 1,600 are in the store."""
     from sweeps.tracking import start_parent_run
     from trainables.tracking import TrialTracker
 
@@ -322,8 +322,8 @@ def test_sixteen_concurrent_writers_lose_nothing(env):
     def writer(i: int) -> str:
         tracker = TrialTracker.open(info, trial_id=f"t{i:02d}", trial_name=f"t{i:02d}", trainable="test")
         barrier.wait()
-        for step in range(100):
-            tracker.log_metrics({"value": i * 1000 + step}, step=step)
+        for step in range(25):
+            tracker.log_metrics({f"m{k}": i * 1000 + step * 4 + k for k in range(4)}, step=step)
         tracker.finish()
         return tracker.run_id
 
@@ -332,9 +332,10 @@ def test_sixteen_concurrent_writers_lose_nothing(env):
     client = _client(env)
     total = 0
     for i, run_id in enumerate(run_ids):
-        hist = client.get_metric_history(run_id, "value")
-        assert sorted((h.step, h.value) for h in hist) == [(s, float(i * 1000 + s)) for s in range(100)]
-        total += len(hist)
+        for k in range(4):
+            hist = client.get_metric_history(run_id, f"m{k}")
+            assert sorted((h.step, h.value) for h in hist) == [(s, float(i * 1000 + s * 4 + k)) for s in range(25)]
+            total += len(hist)
     assert total == 1600 and len(set(run_ids)) == 16
 
 
@@ -349,7 +350,7 @@ def test_removed_worker_node_trials_finish_on_the_remaining_node(env):
     root = env.root / "remove-node"
     root.mkdir()
     storage = root / "ray_results"
-    epochs = 4
+    epochs = 3
     spec = write_spec(root / "spec.yaml", "remove-node", storage, {**COMMON, "epochs": epochs},
                       {"epsilon": [0.5, 1.0]}, max_concurrent_trials=2)
     removed: dict = {}
@@ -441,7 +442,7 @@ def test_mlflow_server_outage_mid_sweep_loses_no_metric(env):
     root = env.root / "outage"
     root.mkdir()
     storage = root / "ray_results"
-    epochs = 4
+    epochs = 3
     spec = write_spec(root / "spec.yaml", "outage", storage, {**COMMON, "epochs": epochs}, {"epsilon": [1.0]})
     outage: dict = {}
 
