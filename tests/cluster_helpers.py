@@ -2,7 +2,8 @@
 ``mlflow server`` on 127.0.0.1, a multi-node Ray cluster on one machine, sweep specs, the node
 every trial actor ran on, and a scanner that looks for training examples inside artifacts.
 
-Everything listens on loopback only.
+The MLflow server listens on 127.0.0.1 only. The Ray nodes use the machine's own address (Ray
+resolves 127.0.0.1 to it when a driver connects), so their traffic never leaves the machine.
 """
 
 from __future__ import annotations
