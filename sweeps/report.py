@@ -152,7 +152,7 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, pa
         import csv
 
         with open(out / "certified_accuracy.csv", "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(cert_rows[0]))
+            w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in cert_rows for k in r)))
             w.writeheader()
             w.writerows(cert_rows)
         files.append(out / "certified_accuracy.csv")

@@ -140,7 +140,7 @@ def summarize(result_grid, extra_metrics=()) -> tuple[list[dict], dict[str, floa
             if k in cfg:
                 row[f"cfg.{k}"] = cfg[k]
         for k, val in m.items():
-            if k.startswith(("acc_", "cert_acc_")) or k in ("epsilon", "delta", *extra_metrics):
+            if k.startswith(("acc_", "cert_acc_", "smooth_cert_acc_")) or k in ("epsilon", "delta", *extra_metrics):
                 row[k] = val
         row["status"] = "ERROR" if r.error else ("DONE" if m.get("evaluated") else "STOPPED")
         failed += int(r.error is not None)

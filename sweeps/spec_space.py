@@ -39,7 +39,18 @@ MAX_TRIALS = 10_000
 
 # Final metrics every trial reports (docs/metrics.md), and those of one mechanism only.
 GENERIC_METRICS = ("acc_clean", "epsilon", "delta", "compute_seconds")
-MECHANISM_METRICS = {"pixeldp": ("noise_scale", "sensitivity")}
+_LEDGER = ("epsilon_pld", "noise_multiplier", "sampling_rate", "steps")
+MECHANISM_METRICS = {
+    "pixeldp": ("noise_scale", "sensitivity"),
+    "dpsgd": _LEDGER,
+    "secure_sgd": (*_LEDGER, "robustness_epsilon", "robustness_delta", "attack_bound", "noise_scale", "sensitivity"),
+    "secure_sgd_agm": (*_LEDGER, "robustness_epsilon", "robustness_delta", "attack_bound", "noise_scale",
+                       "sensitivity"),
+    "adlm": ("adlm_eps_relevance", "adlm_eps_features", "adlm_eps_loss"),
+    "label_dp": ("label_keep_rate", "analytic_keep_prob", "label_epsilon"),
+    "dpgan": ("tstr_acc", "sample_quality", "sample_confidence", "classifier_score", "judge_acc", "epsilon_pld",
+              "epsilon_paper_lemma2", "noise_multiplier", "sampling_rate", "critic_steps", "generator_steps"),
+}
 # Metrics reported after every epoch (what an early-stopping scheduler can compare), and the
 # direction in which each is better.
 PER_EPOCH_METRICS = {"train_loss": "min", "test_acc": "max"}
@@ -504,9 +515,18 @@ def reported_metrics(name: str, config: dict) -> set[str]:
     out |= set(getattr(REGISTRY.get(name), "metrics", ()) or ())
     for attack, sizes in (config.get("attacks") or {}).items():
         out |= {f"acc_{attack}_{format_size(s)}" for s in sizes}
+    certifier = config.get("certifier") or "default"
     if (config.get("certify_images") or 0) > 0:
-        out.add("acc_clean_expected")
-        out |= {f"cert_acc_{format_size(s)}" for s in config.get("certify_sizes") or ()}
+        if certifier in ("default", "both"):
+            out.add("acc_clean_expected")
+            out |= {f"cert_acc_{format_size(s)}" for s in config.get("certify_sizes") or ()}
+        if certifier in ("smoothing", "both"):
+            out |= {"smooth_acc_clean", "smooth_abstain_rate", "smooth_cert_abstain_rate"}
+            out |= {f"smooth_cert_acc_{format_size(s)}" for s in config.get("certify_sizes") or ()}
+    if (config.get("audit_canaries") or 0) > 0:
+        out |= {"epsilon_lower_bound", "audit_correct", "audit_guesses"}
+    if name == "label_dp" and config.get("task") == "regression":
+        out.add("mse")
     return out
 
 

@@ -138,6 +138,10 @@ class DPALTrialConfig(CommonConfig):
     n_predict: int = Field(100, gt=0, description="psi-noisy draws per prediction in accuracy metrics")
     certify_bounds: Literal["argmax", "hoeffding"] = Field("hoeffding", description="confidence bound of verified inference (the paper: Hoeffding)")
 
+    def smoothing_unavailable(self) -> str | None:
+        return ("DPAL's noise is Laplace noise fixed at training plus psi-scaled Laplace noise at inference, not "
+                "Gaussian noise on the input; its certificate is verified inference (certifier: default)")
+
     @model_validator(mode="after")
     def _mechanism_rules(self):
         """Cross-key rules of the mechanism itself (e.g. Appendix M's eps_t >= 2 on CIFAR-10)."""
