@@ -63,8 +63,11 @@ def shared_storage(value: str | None = "1"):
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
+    import builtins
+
     import ray
 
+    real_print = builtins.print  # a driver's tqdm_ray patches builtins.print; other tests pickle it
     root = tmp_path_factory.mktemp("cluster")
     server = MlflowServer(root / "mlflow")
     server.launch()  # it starts while the cluster does
@@ -77,6 +80,7 @@ def env(tmp_path_factory):
                               head=cluster.head_node)
     finally:
         ray.shutdown()
+        builtins.print = real_print
         if cluster is not None:
             cluster.shutdown()
         server.stop()
