@@ -83,6 +83,9 @@ def plain_images_per_second(model: torch.nn.Module, x, y, batch_size: int, secon
     """Non-private training of a deep copy of ``model`` (fresh Adam, cross-entropy) on the same
     data for about ``seconds``: images/s."""
     net = copy.deepcopy(model).train()
+    for m in net.modules():  # a private trainer's hooks (Opacus's per-example gradients) are not copied
+        for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks):
+            hooks.clear()
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     seen, t0 = 0, time.perf_counter()
