@@ -65,6 +65,14 @@ def _privacy_section(sweep: Sweep) -> list[str]:
     eps = [e for e in all_eps if math.isfinite(e)]
     if eps:
         lines.append(f"Per-trial epsilon: {min(eps):.4g} to {max(eps):.4g} (each holds for its own trial only).")
+    if "trainable" in trials and len(trials):
+        from trainables.registry import REGISTRY
+
+        other = sorted(n for n in set(trials["trainable"]) if n in REGISTRY
+                       and not REGISTRY[n].config_model.protects_training_examples)
+        if other:
+            lines.append(f"The epsilon of {', '.join(f'`{n}`' for n in other)} is not a guarantee for the training "
+                         "examples (a robustness parameter, label privacy only, or a paper's own accounting: docs/metrics.md).")
     if len(eps) < len(all_eps):
         lines.append(f"{len(all_eps) - len(eps)} trial(s) have no guarantee (epsilon infinite: non-private "
                      "baselines); the epsilon plots leave them out.")
