@@ -27,13 +27,7 @@ SHAPE = (1, 28, 28)
 PAIRS = 300
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # small tensors on a shared 2-core machine: one thread avoids oversubscription
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

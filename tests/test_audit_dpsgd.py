@@ -21,8 +21,8 @@ from dpmech.audit import audit, loss_scores, make_canaries
 from dpmech.data import load_held_out, load_splits
 from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer
 
-torch.set_num_threads(1)
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Full backward hook is firing")]
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
+              pytest.mark.usefixtures("one_thread")]
 
 CLAIM = 2.0
 DELTA = 1e-5

@@ -40,12 +40,7 @@ def _trainer(n=256, calibrate=False, **kw):
         return DPGANTrainer(cfg, x, y)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------ the critic's mechanism

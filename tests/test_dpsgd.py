@@ -19,11 +19,9 @@ import torch.nn.functional as F
 from dpmech.accounting import epsilon as event_epsilon
 from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer, plan
 
-torch.set_num_threads(1)
-
 # Opacus's hooks stay on the model (disabled outside training steps); the reference gradients
 # computed here through the same model make torch note that they fire on module outputs.
-pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+pytestmark = [pytest.mark.filterwarnings("ignore:Full backward hook is firing"), pytest.mark.usefixtures("one_thread")]
 
 
 def tiny_model(seed: int = 0, batchnorm: bool = False) -> nn.Module:

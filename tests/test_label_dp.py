@@ -34,13 +34,7 @@ N_DP = 10**6
 SLACK = 0.0025
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny convolutions run far faster on one thread than on two shared ones (and CI has 2 cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- randomized response: exact enumeration

@@ -19,7 +19,7 @@ from dpmech.secure_sgd import (HeterogeneousNoiseLayer, NoiseFree, SecureSGDConf
                                build_secure_sgd_model, robustness_noise_scale, whitened_sensitivity)
 
 logging.getLogger("absl").setLevel(logging.ERROR)
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("one_thread")]
 
 
 def _data(n=64, seed=0):
@@ -152,7 +152,6 @@ def test_redistribution_recalibrates_and_keeps_the_guarantee():
 def test_short_mnist_run_beats_chance_and_certifies():
     from dpmech.data import load_splits
 
-    torch.set_num_threads(1)
     train, test = load_splits("mnist", train_size=600, test_size=200, seed=0)
     (x, y), (xt, yt) = train.tensors, test.tensors
     cfg = SecureSGDConfig(mechanism="agm", epsilon=None, noise_multiplier=1.0, batch_size=50, epochs=2, lr=0.1,

@@ -23,13 +23,7 @@ from dpmech.noise_layer import NoiseLayer
 SIGMA = 0.25
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # the linear models' forward passes are tiny: one thread avoids the cost of synchronising two
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Linear2(nn.Module):
