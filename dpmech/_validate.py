@@ -78,3 +78,9 @@ def choice(name: str, value, options: Iterable[str]) -> str:
     if not isinstance(value, str) or value not in opts:
         raise ValueError(f"{name} must be one of {', '.join(repr(o) for o in opts)}; got {value!r}")
     return value
+
+
+def matching_checkpoint(saved_config, config: dict) -> None:
+    """A trainer's checkpoint is restored only into a trainer built with the same configuration."""
+    if saved_config != config:
+        raise ValueError("checkpoint config does not match this trainer's config")

@@ -69,6 +69,7 @@ import torch.nn.functional as F
 
 from dpmech import _validate as v
 from dpmech.accounting import PrivacyLedger, noise_multiplier_for, subsampled_gaussian_event
+from dpmech._validate import matching_checkpoint
 
 CLIPPING_MODES = ("ghost", "flat")
 OPTIMIZERS = ("sgd", "adam")
@@ -413,8 +414,7 @@ class DPSGDTrainer:
         })
 
     def load_state_dict(self, state: dict) -> None:
-        if state["config"] != self.config.to_dict():
-            raise ValueError("checkpoint config does not match this trainer's config")
+        matching_checkpoint(state["config"], self.config.to_dict())
         self.model.load_state_dict(state["model"])
         self.base_optimizer.load_state_dict(state["optimizer"])
         # generator states are CPU byte tensors (a checkpoint loaded with map_location may have moved them)

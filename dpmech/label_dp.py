@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from dpmech import _validate as v
 from dpmech.mechanisms import laplace_noise, laplace_scale
+from dpmech._validate import matching_checkpoint
 
 TASKS = ("classification", "regression")
 MECHANISMS = ("laplace", "rr", "none")
@@ -523,8 +524,7 @@ class LabelDPTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a snapshot; the released labels come from it (they are never drawn again)."""
-        if state["config"] != self.config.to_dict():
-            raise ValueError("checkpoint config does not match this trainer's config")
+        matching_checkpoint(state["config"], self.config.to_dict())
         labels = state["labels"]
         if tuple(labels.shape) != (self.x.shape[0],):
             raise ValueError(f"checkpoint labels have shape {tuple(labels.shape)}, the training set {self.x.shape[0]} examples")

@@ -19,6 +19,7 @@ from dpmech import _validate as v
 from dpmech.mechanisms import gaussian_delta
 from dpmech.models import PixelDPNet, build_pixeldp_model
 from dpmech.noise_layer import NORMS, pixeldp_noise_scale
+from dpmech._validate import matching_checkpoint
 
 OPTIMIZERS = ("adam", "sgd")
 
@@ -201,8 +202,7 @@ class PixelDPTrainer:
         })
 
     def load_state_dict(self, state: dict) -> None:
-        if state["config"] != self.config.to_dict():
-            raise ValueError("checkpoint config does not match this trainer's config")
+        matching_checkpoint(state["config"], self.config.to_dict())
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.shuffle_gen.set_state(state["shuffle_gen"])

@@ -36,6 +36,7 @@ from dpmech.hgm import DELTA_MAX, MECHANISMS, mechanism_sigma
 from dpmech.models import PixelDPNet, build_pixeldp_model
 from dpmech.noise_layer import BoundedConv2d, NoiseLayer
 from dpmech.pixeldp import guarantee_epsilon
+from dpmech._validate import matching_checkpoint
 
 __all__ = [
     "SecureSGDConfig",
@@ -294,8 +295,7 @@ class SecureSGDTrainer(DPSGDTrainer):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("secure_config") != self.secure_config.to_dict():
-            raise ValueError("checkpoint config does not match this trainer's config")
+        matching_checkpoint(state.get("secure_config"), self.secure_config.to_dict())
         super().load_state_dict(state)
         self.model.noise.scale = float(state["noise_scale"])
         self.model.noise.set_rng_state(self.device, state["noise_layer_gen"])

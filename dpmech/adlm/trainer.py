@@ -37,6 +37,7 @@ from dpmech.adlm.relevance import average_relevance, train_relevance_net
 from dpmech.dpal.model import ARCHITECTURES, DPALNet
 from dpmech.dpal.objectives import dp_taylor_loss
 from dpmech.mechanisms import laplace_noise
+from dpmech._validate import matching_checkpoint
 
 
 class AdLMClassifier(nn.Module):
@@ -249,8 +250,7 @@ class AdLMTrainer:
         })
 
     def load_state_dict(self, state: dict) -> None:
-        if state["config"] != self.config.to_dict():
-            raise ValueError("checkpoint config does not match this trainer's config")
+        matching_checkpoint(state["config"], self.config.to_dict())
         if tuple(state["relevance"].shape) != tuple(self.relevance.shape):
             raise ValueError("checkpoint relevance does not match this trainer's input shape")
         self.model.load_state_dict(state["model"])

@@ -32,6 +32,7 @@ from dpmech.dpal.config import DPALConfig
 from dpmech.dpal.model import DPALNet
 from dpmech.dpal.noise import PsiNoisyScorer, TrainingNoise
 from dpmech.dpal.objectives import dp_adversarial_objective, reconstruction_loss
+from dpmech._validate import matching_checkpoint
 
 # The attacks craft around perturbed inputs x_bar = x + chi_1/m, which leave [-1, 1]: they are not
 # clamped to the data domain (clamping would read the clean x, not only x_bar).
@@ -257,8 +258,7 @@ class DPALTrainer:
         })
 
     def load_state_dict(self, state: dict) -> None:
-        if state["config"] != self.config.to_dict():
-            raise ValueError("checkpoint config does not match this trainer's config")
+        matching_checkpoint(state["config"], self.config.to_dict())
         if tuple(state["batches"].shape) != tuple(self.batches.shape):
             raise ValueError("checkpoint batches do not match this trainer's training set")
         self.model.load_state_dict(state["model"])
