@@ -1,7 +1,7 @@
 """Registry of trainables by name: the function Ray Tune runs, its config schema, a summary.
 
 A new mechanism is one module in dpmech, one trainable, one entry here, one example spec.
-The functions are imported lazily so that validating a spec does not import torch models.
+The Ray Tune functions are resolved on use (``TrainableEntry.fn``); the schemas are imported here.
 """
 
 from __future__ import annotations
@@ -11,7 +11,13 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
+from trainables import secure_sgd as _secure_sgd
+from trainables.adlm import AdLMTrialConfig
 from trainables.config import CommonConfig, DPALTrialConfig, PixelDPTrialConfig
+from trainables.dpgan import DPGANTrialConfig
+from trainables.dpsgd import PRIVACY_KEYS as DPSGD_PRIVACY_KEYS
+from trainables.dpsgd import DPSGDTrialConfig
+from trainables.label_dp import LabelDPTrialConfig
 
 
 @dataclass(frozen=True)
@@ -52,44 +58,44 @@ REGISTRY: dict[str, TrainableEntry] = {
         "DPAL (ICLR 2020 submission, StoBatch lineage): DP auto-encoder and DP adversarial objective with "
         "fixed noise and disjoint batches (Theorem 4), verified inference with the (kappa + phi)_max bound."),
     "adlm": TrainableEntry(
-        "adlm", "trainables.adlm:adlm", importlib.import_module("trainables.adlm").AdLMTrialConfig,
+        "adlm", "trainables.adlm:adlm", AdLMTrialConfig,
         "AdLM (Phan et al., ICDM 2017): LRP relevance released with Laplace noise, relevance-adaptive Laplace "
         "noise on the first affine transformation, functional-mechanism loss; epsilon = eps_1 + eps_2 + eps_3 "
         "(the paper's accounting, docs/adlm.md); no certificate."),
     "dpgan": TrainableEntry(
-        "dpgan", "trainables.dpgan:dpgan", importlib.import_module("trainables.dpgan").DPGANTrialConfig,
+        "dpgan", "trainables.dpgan:dpgan", DPGANTrialConfig,
         "DPGAN (Xie et al. 2018): conditional WGAN, critic steps on Poisson-sampled real data with per-example "
         "clipping at c_g, Gaussian noise and weight clipping; RDP/PLD epsilon from the ledger; evaluated by "
         "train-on-synthetic accuracy (docs/dpgan.md).",
         privacy_event="trainables.dpgan:privacy_event",
         privacy_keys=("epsilon", "delta", "epochs", "batch_size", "train_size", "dataset")),
     "dpsgd": TrainableEntry(
-        "dpsgd", "trainables.dpsgd:dpsgd", importlib.import_module("trainables.dpsgd").DPSGDTrialConfig,
+        "dpsgd", "trainables.dpsgd:dpsgd", DPSGDTrialConfig,
         "DP-SGD (Abadi et al. 2016) through Opacus: Poisson sampling, per-example clipping (ghost or flat), "
         "Gaussian noise calibrated to (epsilon, delta) over the planned steps; RDP/PLD epsilon from the ledger; "
         "epsilon null = non-private baseline of the same network (docs/dpsgd.md).",
         privacy_event="trainables.dpsgd:privacy_event",
-        privacy_keys=importlib.import_module("trainables.dpsgd").PRIVACY_KEYS),
+        privacy_keys=DPSGD_PRIVACY_KEYS),
     "label_dp": TrainableEntry(
-        "label_dp", "trainables.label_dp:label_dp", importlib.import_module("trainables.label_dp").LabelDPTrialConfig,
+        "label_dp", "trainables.label_dp:label_dp", LabelDPTrialConfig,
         "Label DP (source: Laplace on MNIST labels): training labels released once per trial with the Laplace "
         "mechanism (one-hot + Lap(2/eps) -> argmax, or the digit + Lap(9/eps)) or K-ary randomized response, a "
         "fresh CNN trained on them; classification or regression; epsilon protects labels only (docs/label_dp.md)."),
     "secure_sgd": TrainableEntry(
         "secure_sgd", "trainables.secure_sgd:secure_sgd",
-        importlib.import_module("trainables.secure_sgd").SecureSGDTrialConfig,
+        _secure_sgd.SecureSGDTrialConfig,
         "SecureSGD (Phan et al., IJCAI 2019): DP-SGD (Opacus, RDP/PLD epsilon from the ledger) on a PixelDP net whose "
         "noise layer is calibrated by the heterogeneous Gaussian mechanism (Theorem 1, any eps_r); certified with "
         "the PixelDP test (docs/secure_sgd.md).",
         privacy_event="trainables.secure_sgd:privacy_event",
-        privacy_keys=importlib.import_module("trainables.secure_sgd").PRIVACY_KEYS),
+        privacy_keys=_secure_sgd.PRIVACY_KEYS),
     "secure_sgd_agm": TrainableEntry(
         "secure_sgd_agm", "trainables.secure_sgd:secure_sgd_agm",
-        importlib.import_module("trainables.secure_sgd").SecureSGDAGMTrialConfig,
+        _secure_sgd.SecureSGDAGMTrialConfig,
         "SecureSGD-AGM: SecureSGD with the noise layer calibrated by the analytic Gaussian mechanism "
         "(Balle & Wang 2018) instead of the HGM (docs/secure_sgd.md).",
         privacy_event="trainables.secure_sgd:privacy_event",
-        privacy_keys=importlib.import_module("trainables.secure_sgd").PRIVACY_KEYS),
+        privacy_keys=_secure_sgd.PRIVACY_KEYS),
 }
 
 
