@@ -105,6 +105,37 @@ def load_sweep(experiment: str, tracking_uri: str, *, parent_run_id: str | None 
     return Sweep(client, experiment, tracking_uri, parent, trials)
 
 
+def reference_from_params(params: dict[str, str]) -> dict | None:
+    """The spec's ``reference`` block read back from the parent run's flattened params
+    (``sweeps.spec.spec_to_flat_params``): ``reference.citation``, ``reference.note``,
+    ``reference.points.<j>.label``, ``reference.points.<j>.where.<key>`` and
+    ``reference.points.<j>.metrics.<metric>`` (a metric name may hold dots: ``cert_acc_0.2``).
+    None when the spec had no reference block."""
+    ref: dict = {}
+    points: dict[int, dict] = {}
+    for key, value in params.items():
+        if not key.startswith("reference."):
+            continue
+        parts = key.split(".", 4)
+        if parts[1] in ("citation", "note") and len(parts) == 2:
+            ref[parts[1]] = value
+        elif parts[1] == "points" and len(parts) >= 4 and parts[2].isdigit():
+            point = points.setdefault(int(parts[2]), {"label": None, "where": {}, "metrics": {}})
+            field, rest = parts[3], key.split(".", 4)[4] if len(parts) == 5 else None
+            if field == "label" and rest is None:
+                point["label"] = None if value == "null" else value
+            elif field == "where" and rest:
+                point["where"][rest] = _typed(value)
+            elif field == "metrics" and rest:
+                point["metrics"][rest] = float(value)
+    if not ref and not points:
+        return None
+    ref.setdefault("citation", "")
+    ref.setdefault("note", "")
+    ref["points"] = [points[j] for j in sorted(points)]
+    return ref
+
+
 def load_tables(sweep: Sweep) -> None:
     """Download every trial's per-example tables (those it logged) into ``sweep.tables``."""
     import pyarrow.parquet as pq

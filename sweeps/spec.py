@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 import typing
 from pathlib import Path
@@ -43,9 +44,11 @@ from sweeps.spec_space import (
     short_repr,
     union_members,
 )
+from trainables.registry import REGISTRY
 
 __all__ = [
     "MAX_TRIALS", "SpecError", "SweepSpec", "apply_overrides", "expand_trials", "load_spec", "ray_param_space",
+    "reference_matches",
     "spec_to_flat_params", "validate_spec",
 ]
 
@@ -143,8 +146,25 @@ class TuningPrivacySection(_Section):
                                                               "(default: the largest per-trial delta)")
 
 
+class ReferencePoint(_Section):
+    """One configuration point of a paper's figure and the values the paper publishes there."""
+
+    label: str | None = Field(None, min_length=1, description="how the table and the plots name the point")
+    where: dict[str, Any] = Field(min_length=1, description="configured values (trainable and config keys); "
+                                                            "a trial matches when every key equals")
+    metrics: dict[str, float] = Field(min_length=1, description="metric name -> published value, in our units")
+
+
+class ReferenceSection(_Section):
+    """Published values beside the measured ones (``dpsweep report``'s published-vs-measured table)."""
+
+    citation: str = Field(min_length=1, description="the paper and its figure or table")
+    note: str = Field("", description="units and domain: how the paper's numbers were converted to ours")
+    points: list[ReferencePoint] = Field(min_length=1)
+
+
 _OPTIONAL = ("description", "storage", "mlflow", "common", "search", "scheduler", "resources",
-             "max_concurrent_trials", "failure", "tuning_privacy")
+             "max_concurrent_trials", "failure", "tuning_privacy", "reference")
 
 
 class SweepSpec(_Section):
@@ -163,6 +183,7 @@ class SweepSpec(_Section):
     max_concurrent_trials: int | None = Field(None, ge=1)
     failure: FailureSection = Field(default_factory=FailureSection)
     tuning_privacy: TuningPrivacySection | None = None
+    reference: ReferenceSection | None = None
 
     _raw: dict | None = PrivateAttr(None)
     _spaces: tuple[TrainableSpace, ...] | None = PrivateAttr(None)
@@ -407,6 +428,60 @@ def _check_metrics(spec: SweepSpec) -> None:
         check_metric(metric, path, configs)
 
 
+def reference_matches(where: dict, config: dict) -> bool:
+    """A trial config matches a ``reference`` point when every key of ``where`` equals the
+    trial's configured value (numbers compared to a relative 1e-9, so 0.2 matches 0.2000000001)."""
+    for key, want in where.items():
+        if key not in config:
+            return False
+        got = config[key]
+        if isinstance(want, (int, float)) and isinstance(got, (int, float)) \
+                and not isinstance(want, bool) and not isinstance(got, bool):
+            if not math.isclose(float(want), float(got), rel_tol=1e-9, abs_tol=1e-12):
+                return False
+        elif want != got:
+            return False
+    return True
+
+
+def _check_reference(spec: SweepSpec) -> None:
+    """reference.points[j]: ``where`` names the trainable or keys of its config (of every trainable
+    it may match); on a grid/random sweep it matches at least one trial; each metric is reported
+    by every trial it matches (by every probe config of an Optuna space)."""
+    ref = spec.reference
+    if ref is None:
+        return
+    names = [t.name for t in spec.trainables]
+    configs = _trials(spec) if spec.search.algorithm != "optuna" else [c for sp in spec.spaces for c in sp.probes()]
+    for j, point in enumerate(ref.points):
+        path = f"reference.points[{j}]"
+        wanted = point.where.get("trainable")
+        if wanted is not None and wanted not in names:
+            raise SpecError(f"{path}.where.trainable: {short_repr(wanted)} is not a trainable of this spec "
+                            f"({', '.join(names)}){did_you_mean(wanted, names)}")
+        candidates = [wanted] if wanted is not None else list(dict.fromkeys(names))
+        for key in point.where:
+            if key == "trainable":
+                continue
+            owners = [n for n in candidates if key in REGISTRY[n].config_model.model_fields]
+            if not owners:
+                fields = set().union(*(REGISTRY[n].config_model.model_fields for n in candidates))
+                raise SpecError(f"{path}.where.{key}: not a config key of {' or '.join(map(repr, candidates))}"
+                                f"{did_you_mean(key, fields)} (where holds configured values: trainable "
+                                f"and that trainable's config keys)")
+        for metric, value in point.metrics.items():
+            if not math.isfinite(value):
+                raise SpecError(f"{path}.metrics.{metric}: must be a finite number, got {value!r}")
+        matched = [c for c in configs if reference_matches(point.where, c)]
+        if spec.search.algorithm != "optuna" and not matched:
+            shown = ", ".join(f"{k}={short_repr(v, 30)}" for k, v in point.where.items())
+            raise SpecError(f"{path}.where: no trial of the sweep has {shown} (a point must name configured "
+                            f"values of at least one trial)")
+        for metric in point.metrics:
+            check_metric(metric, f"{path}.metrics.{metric}", matched or [c for c in configs
+                                                                       if c["trainable"] in candidates])
+
+
 def validate_spec(raw: dict) -> SweepSpec:
     """Validate a spec mapping (as loaded from YAML, overrides applied); ``SpecError`` names the
     first problem. Checks, in order: the sections, the rules between them, common, each
@@ -435,6 +510,7 @@ def validate_spec(raw: dict) -> SweepSpec:
     else:
         _trials(spec)
     _check_metrics(spec)
+    _check_reference(spec)
     spec._raw = copy.deepcopy(raw)
     return spec
 
