@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from trainables.config import CommonConfig
 
-HIDDEN_KEYS = ("_mlflow", "trainable")
+HIDDEN_KEYS = ("_mlflow", "trainable", "repeat")  # repeat: index of a search.num_samples repeat (logged as a param)
 
 
 class Mechanism(Protocol):
@@ -99,6 +99,14 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def device_name(device: torch.device) -> str:
+    """What the trial ran on, for the ``dpsweep.device`` tag: ``cpu`` or ``cuda:0 (<GPU name>)``."""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
 def _save_checkpoint(directory: Path, mech: Mechanism, meta: dict) -> None:
     torch.save(mech.state_dict(), directory / "state.pt")
     (directory / "meta.json").write_text(json.dumps(meta))
@@ -119,7 +127,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
 
     from dpmech.data import load_splits
     from trainables.artifacts import log_final_artifacts
-    from trainables.tracking import TrialTracker
+    from trainables.tracking import TAG_DEVICE, TrialTracker, run_name
 
     cfg = validate_config(config, schema)
     device = _device()
@@ -145,10 +153,14 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
     tracker = None
     info = mlflow_info(config)
     if info:
-        tracker = TrialTracker.open(info, trial_id=ctx.get_trial_id(), trial_name=ctx.get_trial_name(),
+        dumped = cfg.model_dump()
+        name = run_name(trainable, dumped, (info.get("swept") or {}).get(trainable, ()))
+        tracker = TrialTracker.open(info, trial_id=ctx.get_trial_id(), trial_name=name,
                                     trainable=trainable, run_id=meta.get("mlflow_run_id"))
         meta["mlflow_run_id"] = tracker.run_id
-        tracker.log_params({"trainable": trainable, **cfg.model_dump()})
+        tracker.log_params({"trainable": trainable, **dumped,
+                            **({"repeat": config["repeat"]} if "repeat" in config else {})})
+        tracker.set_tag(TAG_DEVICE, device_name(device))  # a tag: a retry may run on another node
     finished = False
     try:
         while mech.epoch < cfg.epochs:
@@ -175,7 +187,10 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
             log_final_artifacts(tracker, mech, final, cfg)
             tracker.finish()
             finished = True
-        tune.report({**final["metrics"], "epoch": cfg.epochs, "evaluated": 1.0})
+        # the final result also carries the last epoch's metrics: a searcher or scheduler reads
+        # whichever it optimises from the last result (not logged again)
+        last = {k: v for k, v in (meta["history"][-1] if meta["history"] else {}).items() if k != "epoch"}
+        tune.report({**last, **final["metrics"], "epoch": cfg.epochs, "evaluated": 1.0})
     except BaseException as exc:
         # Ray stops a trial (a scheduler's early stop, the end of the sweep) with BaseExceptions of
         # its own: the run is KILLED, not FAILED, and a run already FINISHED stays so.

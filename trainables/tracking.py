@@ -9,13 +9,18 @@ A trial finds its child run in this order: the run id stored in its checkpoint; 
 tagged with its Ray trial id under the same parent (a retry that crashed before its first
 checkpoint); otherwise it creates one. A retried or restored trial therefore never opens a
 second run.
+
+Nothing is logged twice: a trial that reopens its run (a retry, ``dpsweep resume``) first reads
+which (metric, step) pairs the run already holds, and ``log_metrics`` skips those. An interruption
+between an epoch's MLflow log and its checkpoint therefore re-runs the epoch from the previous
+checkpoint (the same values: RNG states are checkpointed) without a second point in the history.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 log = logging.getLogger(__name__)
@@ -24,6 +29,22 @@ T = TypeVar("T")
 TAG_TRIAL = "dpsweep.trial_id"
 TAG_TRAINABLE = "dpsweep.trainable"
 TAG_PARENT = "mlflow.parentRunId"
+TAG_DEVICE = "dpsweep.device"
+#: the keys a child run's name always shows when the trial has them (besides the swept ones)
+NAME_ALWAYS = ("seed",)
+
+
+def run_name(trainable: str, config: dict, swept: list[str] | tuple[str, ...] = ()) -> str:
+    """A child run's name: the trainable and the values of the swept keys (those that differ
+    between the sweep's trials of this trainable) and the seed, e.g. ``dpsgd epsilon=1 seed=0``."""
+    def fmt(v) -> str:
+        if isinstance(v, float):
+            return f"{v:g}"
+        return str(v).replace(" ", "")
+
+    keys = [k for k in swept if k in config and k not in NAME_ALWAYS]
+    keys += [k for k in NAME_ALWAYS if k in config]
+    return " ".join([trainable, *(f"{k}={fmt(config[k])}" for k in keys)])[:250]
 
 
 def retry(fn: Callable[[], T], *, what: str, attempts: int = 8, first_wait: float = 0.5) -> T:
@@ -49,6 +70,7 @@ class TrialTracker:
     experiment_id: str
     parent_run_id: str | None
     run_id: str
+    logged: set[tuple[str, int]] = field(default_factory=set)  # (metric, step) pairs the run holds
 
     @property
     def client(self):
@@ -77,9 +99,9 @@ class TrialTracker:
                 tags[TAG_PARENT] = parent
             run = retry(lambda: client.create_run(exp, tags=tags, run_name=trial_name), what="create_run")
             run_id = run.info.run_id
-        else:
-            retry(lambda: client.update_run(run_id, status="RUNNING"), what="update_run")
-        return cls(uri, exp, parent, run_id)
+            return cls(uri, exp, parent, run_id)
+        retry(lambda: client.update_run(run_id, status="RUNNING"), what="update_run")
+        return cls(uri, exp, parent, run_id, logged=_logged_points(client, run_id))
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -92,11 +114,15 @@ class TrialTracker:
             retry(lambda: self.client.log_batch(self.run_id, params=batch), what="log_batch(params)")
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log each metric at ``step`` unless the run already holds that (metric, step) pair."""
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        batch = [Metric(k, float(v), ts, int(step)) for k, v in metrics.items()]
-        retry(lambda: self.client.log_batch(self.run_id, metrics=batch), what="log_batch(metrics)")
+        batch = [Metric(k, float(v), ts, int(step)) for k, v in metrics.items() if (k, int(step)) not in self.logged]
+        for i in range(0, len(batch), 500):
+            part = batch[i:i + 500]
+            retry(lambda: self.client.log_batch(self.run_id, metrics=part), what="log_batch(metrics)")
+        self.logged.update((m.key, m.step) for m in batch)
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         retry(lambda: self.client.log_artifact(self.run_id, path, artifact_path), what="log_artifact")
@@ -106,3 +132,13 @@ class TrialTracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         retry(lambda: self.client.set_terminated(self.run_id, status=status), what="set_terminated")
+
+
+def _logged_points(client, run_id: str) -> set[tuple[str, int]]:
+    """The (metric, step) pairs an existing run holds (its full metric histories)."""
+    run = retry(lambda: client.get_run(run_id), what="get_run")
+    out: set[tuple[str, int]] = set()
+    for key in run.data.metrics:
+        hist = retry(lambda: client.get_metric_history(run_id, key), what="get_metric_history")
+        out.update((m.key, int(m.step)) for m in hist)
+    return out
