@@ -126,7 +126,18 @@ class ResourcesSection(_Section):
     """Resources of one trial."""
 
     cpu: float = Field(1.0, gt=0, allow_inf_nan=False)
-    gpu: float = Field(0.0, ge=0, allow_inf_nan=False, description="fractional shares a GPU (0.25: four trials)")
+    gpu: float | Literal["auto"] = Field(
+        "auto", description="GPUs per trial; fractional shares a GPU (0.25: four trials); auto: a share when the "
+                            "cluster has GPUs, 0 otherwise (sweeps.cluster_checks.resolve_gpu)")
+
+    @field_validator("gpu", mode="before")
+    @classmethod
+    def _gpu(cls, value):
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"must be a number >= 0 or 'auto', got {short_repr(value)}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not value >= 0:
+            raise ValueError(f"must be >= 0, got {value:g}")
+        return value
 
 
 class FailureSection(_Section):
@@ -164,7 +175,7 @@ class ReferenceSection(_Section):
 
 
 _OPTIONAL = ("description", "storage", "mlflow", "common", "search", "scheduler", "resources",
-             "max_concurrent_trials", "failure", "tuning_privacy", "reference")
+             "max_concurrent_trials", "failure", "tuning_privacy", "reference", "keep_checkpoints")
 
 
 class SweepSpec(_Section):
@@ -183,6 +194,8 @@ class SweepSpec(_Section):
     max_concurrent_trials: int | None = Field(None, ge=1)
     failure: FailureSection = Field(default_factory=FailureSection)
     tuning_privacy: TuningPrivacySection | None = None
+    keep_checkpoints: bool = Field(False, description="keep each finished trial's checkpoint (default: deleted once "
+                                                      "its final metrics and artifacts are in MLflow)")
     reference: ReferenceSection | None = None
 
     _raw: dict | None = PrivateAttr(None)
@@ -391,7 +404,7 @@ def _check_scheduler(spec: SweepSpec) -> None:
 def _check_resources(spec: SweepSpec) -> None:
     for key in ("cpu", "gpu"):
         value = getattr(spec.resources, key)
-        if value > 1 and value != int(value):
+        if isinstance(value, (int, float)) and value > 1 and value != int(value):
             raise SpecError(f"resources.{key}: above 1 must be a whole number (Ray), got {value:g}")
 
 

@@ -176,7 +176,7 @@ def test_empty_sections_take_defaults_and_experiment_defaults_to_name():
     spec = validate_spec({"name": "x", "common": None, "mlflow": None, "search": None,
                           "trainables": [{"name": "pixeldp", "search": None}]})
     assert spec.mlflow.experiment == "x" and spec.storage == "./ray_results"
-    assert spec.search.algorithm == "grid" and spec.resources.gpu == 0 and spec.failure.max_retries == 0
+    assert spec.search.algorithm == "grid" and spec.resources.gpu == "auto" and spec.failure.max_retries == 0
     (trial,) = expand_trials(spec)
     assert trial == {"trainable": "pixeldp", **PixelDPTrialConfig().model_dump()}
 
