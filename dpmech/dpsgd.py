@@ -73,6 +73,7 @@ from dpmech._validate import matching_checkpoint
 
 CLIPPING_MODES = ("ghost", "flat")
 OPTIMIZERS = ("sgd", "adam")
+LR_SCHEDULES = ("constant", "cosine", "step")
 ACCOUNTANTS = ("rdp", "pld")
 
 # Training-set sizes of the full splits (for planning a trial from its config alone).
@@ -98,6 +99,7 @@ class DPSGDConfig:
     batch_size: int = 256               # expected batch size; q = batch_size / N
     epochs: int = 5
     lr: float = 0.1
+    lr_schedule: str = "constant"       # constant | cosine (to 0 over the planned steps) | step (x0.1 at 1/2 and 3/4)
     optimizer: str = "sgd"
     momentum: float = 0.9               # sgd only
     weight_decay: float = 0.0
@@ -121,6 +123,7 @@ class DPSGDConfig:
         v.positive_int("batch_size", self.batch_size)
         v.positive_int("epochs", self.epochs)
         v.positive("lr", self.lr)
+        v.choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         v.choice("optimizer", self.optimizer, OPTIMIZERS)
         v.unit_interval("momentum", self.momentum, high_open=True)
         v.non_negative("weight_decay", self.weight_decay)
@@ -128,6 +131,16 @@ class DPSGDConfig:
         v.non_negative("noise_augmentation_sigma", self.noise_augmentation_sigma)
         v.choice("accountant", self.accountant, ACCOUNTANTS)
         v.positive_int("seed", self.seed, minimum=0)
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate of step ``step`` (0-based) of ``total_steps``: constant; cosine (Loshchilov &
+        Hutter 2017, no restarts, from lr to 0); step (x0.1 after half and after three quarters)."""
+        frac = min(max(step / max(total_steps, 1), 0.0), 1.0)
+        if self.lr_schedule == "cosine":
+            return self.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
+        if self.lr_schedule == "step":
+            return self.lr * (0.1 if frac >= 0.5 else 1.0) * (0.1 if frac >= 0.75 else 1.0)
+        return self.lr
 
     @property
     def private(self) -> bool:
@@ -323,6 +336,7 @@ class DPSGDTrainer:
             self._empty_step()
             loss_sum, correct = 0.0, 0
         else:
+            self._set_lr()
             xb, yb = self.augment(self.x[idx]), self.y[idx]
             self.optimizer.zero_grad(set_to_none=True)
             if self.gsm is not None:
@@ -346,6 +360,7 @@ class DPSGDTrainer:
     def _empty_step(self) -> None:
         """An empty Poisson batch: the clipped sum is zero, the noise is still added and the step taken."""
         opt = self.optimizer
+        self._set_lr()
         self.base_optimizer.zero_grad(set_to_none=True)
         if self.config.private:
             for p in opt.params:
@@ -360,6 +375,15 @@ class DPSGDTrainer:
                     p.grad = torch.zeros_like(p)
         self.base_optimizer.step()
         self.base_optimizer.zero_grad(set_to_none=True)
+
+    def _set_lr(self) -> None:
+        """The schedule's learning rate for the step about to be taken (a function of the step
+        counter, so a restored checkpoint continues the schedule exactly)."""
+        if self.config.lr_schedule == "constant":
+            return
+        lr = self.config.lr_at(self.steps, self.plan.steps)
+        for group in self.base_optimizer.param_groups:
+            group["lr"] = lr
 
     # -------------------------------------------------------------- epochs
     def train_epoch(self, progress=None) -> dict[str, float]:
@@ -426,14 +450,14 @@ class DPSGDTrainer:
         self.steps = int(state["steps"])
 
 
-def build_dpsgd_model(dataset: str, seed: int = 0) -> nn.Module:
-    """The PixelDP networks without their noise layer (so DP-SGD is compared on the same
-    architecture): the MNIST CNN, or for CIFAR-10 the wide ResNet with BatchNorm replaced by
-    GroupNorm (``ModuleValidator.fix``). Parameters initialised from ``seed`` without touching
-    the global RNG."""
-    from dpmech.models import build_pixeldp_model
+def build_dpsgd_model(dataset: str, seed: int = 0, model: str = "pixeldp_cnn") -> nn.Module:
+    """The network ``model`` of :mod:`dpmech.dp_models` for ``dataset``: ``pixeldp_cnn`` (default:
+    the PixelDP networks without their noise layer, so DP-SGD is compared on the same architecture;
+    for CIFAR-10 the wide ResNet with BatchNorm replaced by GroupNorm, ``ModuleValidator.fix``),
+    ``tb_cnn`` (Tramer & Boneh 2021's tanh CNN) or ``tb_cnn_gn`` (with GroupNorm). Parameters
+    initialised from ``seed`` without touching the global RNG."""
+    from dpmech.dp_models import build_dp_model
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = build_pixeldp_model(dataset, None, noise_after=0, seed=seed)
-        return make_private_compatible(model)
+        return make_private_compatible(build_dp_model(model, dataset, seed))

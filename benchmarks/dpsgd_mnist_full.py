@@ -1,0 +1,237 @@
+"""DP-SGD on full MNIST (60k train, 10k test) with the published recipes, and its speed.
+
+Accuracy: the Tramer & Boneh 2021 CNN (``tb_cnn``, tanh) at epsilon 1, 2, 3 (delta 1e-5), 3 seeds
+each, plus the non-private baseline of the same network (3 seeds); recipes in :data:`RECIPES`
+(docs/dpsgd.md says where each value comes from). Each (row, seed) is one run whose result is
+written to ``benchmarks/results/dpsgd_mnist_full_runs/<row>_seed<k>.json`` as soon as it ends;
+a run already there is skipped, so the benchmark survives interruptions and several processes may
+share the rows (``--rows``, ``--seeds``). The summary ``benchmarks/results/dpsgd_mnist_full.json``
+is rebuilt from the run files after every run: ``accuracy.<row>`` = {mean, std, seeds, epsilon_rdp,
+epsilon_pld, ...}. The ``audit_eps_3`` row repeats the epsilon-3 recipe on 59,000 images with
+1,000 canaries (the held-out remainder of the training split) and reports the one-run audit's
+``epsilon_lower_bound`` (dpmech.audit) against the claim.
+
+Speed (``--speed``, or ``--speed-only``): training images/s of plain (non-private) and DP-SGD
+steps on ``tb_cnn`` and ``pixeldp_cnn``, batch 512, the same threads, the modes interleaved step by
+step in one process (so a busy machine slows them alike); ``speed.<model>`` = {plain_img_s,
+dp_img_s, slowdown = plain / dp} for the default clipping mode, and every mode under ``modes``.
+
+    python benchmarks/dpsgd_mnist_full.py                   # all rows, 3 seeds, then the summary
+    python benchmarks/dpsgd_mnist_full.py --rows eps_3 --seeds 0 1 2 --threads 1
+    python benchmarks/dpsgd_mnist_full.py --speed-only --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import RESULTS, environment, log, write_result  # noqa: E402
+
+NAME = "dpsgd_mnist_full"
+RUNS = RESULTS / f"{NAME}_runs"
+
+_TB = dict(model="tb_cnn", batch_size=512, max_grad_norm=0.1, lr=0.5, momentum=0.9, optimizer="sgd",
+           lr_schedule="constant", delta=1e-5)
+# Tramer & Boneh 2021 (Table 10 / their code): batch 512, lr 0.5, momentum 0.9, C 0.1, 40 epochs at
+# epsilon 3 (sigma 1.23 by their accountant). Epsilon 1 and 2: the same recipe with fewer epochs
+# (a smaller budget buys less noise per step when spread over fewer steps; docs/dpsgd.md).
+RECIPES = {
+    "eps_3": dict(_TB, epsilon=3.0, epochs=40),
+    "eps_2": dict(_TB, epsilon=2.0, epochs=30),
+    "eps_1": dict(_TB, epsilon=1.0, epochs=15),
+    # the same network, sampling and optimizer without clipping or noise; lr 0.05 (the unclipped
+    # mean gradient is ~10x larger than the clipped DP one), 15 epochs (it has converged by then)
+    "non_private": dict(_TB, epsilon=None, epochs=15, lr=0.05),
+}
+AUDIT_ROW = "audit_eps_3"
+PUBLISHED = {"eps_3": 0.981, "eps_2": None, "eps_1": None, "non_private": None}
+TARGETS = {"eps_3": 0.980, "eps_2": 0.973, "eps_1": 0.955}
+
+
+def dpsgd_config(recipe: dict, seed: int, clipping: str):
+    from dpmech.dpsgd import DPSGDConfig
+
+    keys = ("epsilon", "delta", "max_grad_norm", "batch_size", "epochs", "lr", "lr_schedule", "optimizer", "momentum")
+    return DPSGDConfig(**{k: recipe[k] for k in keys}, clipping=clipping, seed=seed)
+
+
+def run_one(row: str, seed: int, clipping: str, device: torch.device) -> dict:
+    from dpmech.data import load_held_out, load_splits
+    from dpmech.dpsgd import DPSGDTrainer, build_dpsgd_model
+
+    audit = row == AUDIT_ROW
+    recipe = RECIPES["eps_3" if audit else row]
+    train_size = 59000 if audit else None
+    train, test = load_splits("mnist", train_size=train_size, test_size=None, seed=0)
+    x, y = train.tensors
+    xt, yt = test.tensors
+    canaries = None
+    if audit:
+        from dpmech.audit import make_canaries
+
+        pool = load_held_out("mnist", train_size=train_size, test_size=None, seed=0)
+        canaries = make_canaries(*pool.tensors, 1000, 10, seed)
+        cx, cy = canaries.members()
+        x, y = torch.cat([x, cx]), torch.cat([y, cy])
+    cfg = dpsgd_config(recipe, seed, clipping)
+    model = build_dpsgd_model("mnist", seed, recipe["model"])
+    trainer = DPSGDTrainer(model, x, y, cfg, device=device, plan_size=train_size or x.shape[0])
+    log(f"[{row} seed {seed}] start: {cfg.epochs} epochs, q={trainer.plan.sampling_rate:.5f}, "
+        f"sigma={trainer.noise_multiplier:.4f}, steps={trainer.plan.steps}, clipping={clipping}")
+    t0 = time.perf_counter()
+    curve = []
+    for e in range(cfg.epochs):
+        stats = trainer.train_epoch()
+        acc = trainer.accuracy(xt, yt) if (e + 1) % 5 == 0 or e + 1 == cfg.epochs else None
+        curve.append(acc)
+        log(f"[{row} seed {seed}] epoch {e + 1}/{cfg.epochs} loss {stats['train_loss']:.4f} "
+            f"train_acc {stats['train_acc']:.4f}" + (f" test_acc {acc:.4f}" if acc is not None else "")
+            + f" ({time.perf_counter() - t0:.0f}s)")
+    seconds = time.perf_counter() - t0
+    p = trainer.privacy()
+    out = {"row": row, "seed": seed, "recipe": {k: v for k, v in recipe.items()}, "clipping": clipping,
+           "acc_clean": trainer.accuracy(xt, yt), "test_acc_every_5_epochs": [a for a in curve if a is not None],
+           "epsilon_rdp": p["epsilon"] if math.isfinite(p["epsilon"]) else None,
+           "epsilon_pld": p["epsilon_pld"] if math.isfinite(p["epsilon_pld"]) else None,
+           "noise_multiplier": p["noise_multiplier"], "sampling_rate": p["sampling_rate"], "steps": p["steps"],
+           "train_seconds": seconds, "img_per_s": trainer.steps * cfg.batch_size / seconds,
+           "threads": torch.get_num_threads()}
+    if audit:
+        from dpmech.audit import audit as run_audit, loss_scores
+
+        scores = loss_scores(trainer.model, canaries.x.to(device), canaries.y.to(device))
+        out["audit"] = run_audit(scores, canaries.included, guess_fraction=0.2, beta=0.05, delta=recipe["delta"])
+        out["audit"]["canaries"] = canaries.m
+    log(f"[{row} seed {seed}] done: acc {out['acc_clean']:.4f} eps_rdp {out['epsilon_rdp']} in {seconds:.0f}s")
+    return out
+
+
+def summarize() -> dict:
+    """``accuracy.<row>`` from the run files present (mean, sample std, seeds, epsilons)."""
+    acc: dict = {}
+    for row in list(RECIPES) + [AUDIT_ROW]:
+        runs = sorted((json.loads(p.read_text()) for p in RUNS.glob(f"{row}_seed*.json")), key=lambda r: r["seed"])
+        if not runs:
+            continue
+        accs = [r["acc_clean"] for r in runs]
+        entry = {"mean": statistics.fmean(accs), "std": statistics.stdev(accs) if len(accs) > 1 else None,
+                 "seeds": accs, "seed_ids": [r["seed"] for r in runs],
+                 "epsilon_rdp": runs[0]["epsilon_rdp"], "epsilon_pld": runs[0]["epsilon_pld"],
+                 "noise_multiplier": runs[0]["noise_multiplier"], "steps": runs[0]["steps"],
+                 "recipe": runs[0]["recipe"], "published": PUBLISHED.get(row), "target": TARGETS.get(row),
+                 "train_seconds": [r["train_seconds"] for r in runs], "clipping": [r["clipping"] for r in runs]}
+        if row == AUDIT_ROW:
+            entry["audit"] = [r["audit"] for r in runs]
+        acc[row] = entry
+    return acc
+
+
+def write_summary(speed: dict | None = None) -> Path:
+    path = RESULTS / f"{NAME}.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    env = environment(torch.device("cpu"))
+    payload = {"benchmark": NAME, "dataset": "mnist (60,000 train / 10,000 test)",
+               "accuracy": summarize(), "speed": speed if speed is not None else old.get("speed", {}),
+               "device": env["device"], "threads": torch.get_num_threads(), "versions": env["versions"],
+               "date": env["date"]}
+    if speed is None and "speed_threads" in old:
+        payload["speed_threads"] = old["speed_threads"]
+    return write_result(NAME, payload)
+
+
+# ------------------------------------------------------------------ speed
+def measure_speed(models: list[str], modes: list[str], steps: int, batch: int, default_mode: str,
+                  device: torch.device) -> dict:
+    """Images/s of plain and DP steps (each mode), interleaved step by step, fixed batch ``batch``."""
+    from dpmech.data import load_splits
+    from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer, build_dpsgd_model
+
+    train, _ = load_splits("mnist", train_size=10000, test_size=100, seed=0)
+    x, y = train.tensors
+    out = {}
+    for name in models:
+        trainers = {"plain": DPSGDTrainer(build_dpsgd_model("mnist", 0, name), x, y, DPSGDConfig(
+            epsilon=None, batch_size=batch, lr=0.01, momentum=0.9))}
+        for mode in modes:
+            trainers[mode] = DPSGDTrainer(build_dpsgd_model("mnist", 0, name), x, y, DPSGDConfig(
+                epsilon=None, noise_multiplier=1.0, max_grad_norm=0.1, batch_size=batch, lr=0.01, momentum=0.9,
+                clipping=mode))
+        g = torch.Generator().manual_seed(0)
+        seconds = {k: 0.0 for k in trainers}
+        for s in range(steps + 2):                       # 2 warm-up rounds not timed
+            idx = torch.randperm(x.shape[0], generator=g)[:batch]
+            for k, t in trainers.items():
+                t0 = time.perf_counter()
+                t._step(idx)
+                if s >= 2:
+                    seconds[k] += time.perf_counter() - t0
+        ips = {k: steps * batch / sec for k, sec in seconds.items()}
+        entry = {"plain_img_s": ips["plain"], "dp_img_s": ips[default_mode],
+                 "slowdown": ips["plain"] / ips[default_mode], "clipping": default_mode,
+                 "modes": {m: {"dp_img_s": ips[m], "slowdown": ips["plain"] / ips[m]} for m in modes},
+                 "steps": steps, "batch_size": batch}
+        log(f"speed {name}: plain {ips['plain']:.0f} img/s; " + ", ".join(
+            f"{m} {ips[m]:.0f} img/s ({ips['plain'] / ips[m]:.2f}x)" for m in modes))
+        out[name] = entry
+    return out
+
+
+def main(argv=None) -> dict:
+    from dpmech.dpsgd import CLIPPING_MODES, DPSGDConfig
+
+    default_mode = DPSGDConfig.clipping
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="+", default=list(RECIPES), choices=list(RECIPES) + [AUDIT_ROW])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--order", choices=("seed", "row"), default="seed",
+                    help="seed: every row's seed 0 first, then seed 1, ...; row: all seeds of a row first")
+    ap.add_argument("--clipping", default=default_mode, choices=CLIPPING_MODES)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--speed", action="store_true", help="also measure speed after the accuracy runs")
+    ap.add_argument("--speed-only", action="store_true", help="only measure speed (no training runs)")
+    ap.add_argument("--speed-steps", type=int, default=20)
+    ap.add_argument("--speed-modes", nargs="+", default=None, choices=CLIPPING_MODES)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
+    RUNS.mkdir(parents=True, exist_ok=True)
+    if not args.speed_only:
+        jobs = ([(r, s) for s in args.seeds for r in args.rows] if args.order == "seed"
+                else [(r, s) for r in args.rows for s in args.seeds])
+        for row, seed in jobs:
+            path = RUNS / f"{row}_seed{seed}.json"
+            if path.exists():
+                log(f"[{row} seed {seed}] already done, skipped")
+                continue
+            result = run_one(row, seed, args.clipping, device)
+            write_result(NAME, result, out=path)
+            write_summary()
+    speed = None
+    if args.speed or args.speed_only:
+        modes = args.speed_modes or [m for m in CLIPPING_MODES if m != "flat"]
+        speed = measure_speed(["tb_cnn", "pixeldp_cnn"], modes, args.speed_steps, 512, default_mode, device)
+    path = write_summary(speed)
+    if speed is not None:
+        data = json.loads(path.read_text())
+        data["speed_threads"] = torch.get_num_threads()
+        write_result(NAME, data)
+    summary = json.loads(path.read_text())
+    for row, e in summary["accuracy"].items():
+        sd = f" +- {e['std']:.4f}" if e["std"] is not None else ""
+        log(f"{row}: {e['mean']:.4f}{sd} over seeds {e['seed_ids']}, eps_rdp {e['epsilon_rdp']}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
