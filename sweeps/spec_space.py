@@ -429,15 +429,24 @@ class TrainableSpace:
 
     def expand(self, num_samples: int, rng: np.random.Generator, first: int = 0) -> Iterator[dict]:
         """Grid/random trials: num_samples repeats of the grid (row-major in the order the keys
-        are written), the choices and ranges drawn from ``rng`` for each trial."""
+        are written), the choices and ranges drawn from ``rng`` for each trial.
+
+        With num_samples > 1 each trial carries its ``repeat`` index r (0 .. num_samples - 1, a key
+        outside the schema that the trial logs as a param). Repeat r > 0 runs with
+        its own seed, ``repeat_seed(configured seed, r)``, unless ``seed`` is swept (a grid, choice
+        or range in ``search``): then the written seeds are left alone."""
         fixed, grids, sampled = self.fixed, self.grid_dims, self.sampled_dims
+        seed_swept = any(d.key == "seed" and d.swept for d in self.dims)
         n = first
-        for _ in range(num_samples):
+        for r in range(num_samples):
             for combo in itertools.product(*(d.values for d in grids)):
                 values = dict(fixed)
                 values.update({d.key: copy.deepcopy(v) for d, v in zip(grids, combo)})
                 values.update({d.key: d.sample(rng) for d in sampled})
-                yield self.config(values, f"trial {n}")
+                cfg = self.config(values, f"trial {n}")
+                if r and not seed_swept and "seed" in cfg:
+                    cfg = self.config({**values, "seed": repeat_seed(cfg["seed"], r)}, f"trial {n}")
+                yield {**cfg, "repeat": r} if num_samples > 1 else cfg
                 n += 1
 
     def probes(self) -> list[dict]:
@@ -487,8 +496,18 @@ def build_space(index: int, name: str, search: dict, common: dict, algorithm: st
     return TrainableSpace(index, name, model, dict(common), tuple(dims))
 
 
+REPEAT_SEED_STRIDE = 1_000_003  # a prime: repeat seeds of nearby configured seeds never collide below it
+
+
+def repeat_seed(seed: int, repeat: int) -> int:
+    """The seed of repeat ``repeat`` of a trial whose configured seed is ``seed``:
+    ``seed + 1_000_003 * repeat`` (repeat 0 keeps the configured seed; docs/specs.md)."""
+    return int(seed) + REPEAT_SEED_STRIDE * int(repeat)
+
+
 def expand(spaces: Iterable[TrainableSpace], num_samples: int, seed: int) -> list[dict]:
-    """Every trial of a grid/random sweep, trainables in order, from one Generator(seed)."""
+    """Every trial of a grid/random sweep, trainables in order, from one Generator(seed); each
+    with its ``repeat`` index and, for repeats > 0, its own seed (``TrainableSpace.expand``)."""
     spaces = list(spaces)
     total = sum(s.size(num_samples) for s in spaces)
     if total > MAX_TRIALS:
