@@ -28,8 +28,8 @@ def test_lower_bound_is_the_largest_unrejected_epsilon():
     assert epsilon_lower_bound(200, 100) == 0.0 and epsilon_lower_bound(0, 0) == 0.0
     # delta spends part of beta: a smaller bound
     assert epsilon_lower_bound(200, 180, delta=1e-5, m=1000) < eps
-    with pytest.raises(ValueError, match="delta"):
-        epsilon_lower_bound(200, 180, delta=1e-3, m=1000)
+    with pytest.raises(ValueError, match="delta"):  # 2 m delta alpha leaves nothing of beta
+        epsilon_lower_bound(200, 180, delta=0.05, m=1000)
 
 
 def test_bound_holds_at_the_confidence_level_on_an_eps_dp_mechanism():
