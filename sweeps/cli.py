@@ -1,18 +1,20 @@
 """The ``dpsweep`` command line: run, resume, validate, mechanisms, report.
 
 Exit codes: 0 success; 2 invalid input (reported before Ray starts or any MLflow run exists);
-1 trials that still failed after their retries, or a runtime failure.
+1 trials that still failed after their retries, or a runtime failure (the parent run FAILED);
+130 interrupted (Ctrl-C / SIGINT: the parent run KILLED, ``dpsweep resume`` finishes it).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def _tool(name: str) -> str:
@@ -46,6 +48,11 @@ def _err(msg: str) -> None:
     print(f"dpsweep: error: {msg}", file=sys.stderr, flush=True)
 
 
+def _warn_spec(spec) -> None:
+    for line in getattr(spec, "warnings", None) or ():
+        print(f"dpsweep: warning: {line}", file=sys.stderr, flush=True)
+
+
 def _storage_path(cli: str | None, spec_storage: str | None) -> str:
     # DPSWEEP_STORAGE: the cluster's shared storage (set on the head by cluster.yaml)
     s = cli or os.environ.get("DPSWEEP_STORAGE") or spec_storage or "./ray_results"
@@ -68,19 +75,75 @@ def cmd_validate(args) -> int:
     except SpecError as exc:
         _err(str(exc))
         return EXIT_INVALID
+    _warn_spec(spec)
     print(f"{args.spec}: valid ({n} trials, trainables: {', '.join(t.name for t in spec.trainables)})")
+    for warning in spec.warnings:  # validation rules of thumb (e.g. the delta rule): the spec still runs
+        print(f"dpsweep: warning: {warning}", file=sys.stderr, flush=True)
     return EXIT_OK
 
 
+def _allowed(field) -> str:
+    """The values a config field takes, in words: Literal options, numeric bounds, the type."""
+    import typing
+
+    def describe(tp) -> list[str]:
+        origin = typing.get_origin(tp)
+        if origin is typing.Literal:
+            return [" | ".join(repr(a) for a in typing.get_args(tp))]
+        if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            return [p for a in typing.get_args(tp) for p in describe(a)]
+        if tp is type(None):
+            return ["null"]
+        if typing.get_origin(tp) is not None:  # dict[str, list[float]]
+            return [str(tp).replace("typing.", "")]
+        return [getattr(tp, "__name__", None) or str(tp).replace("typing.", "")]
+
+    parts = describe(field.annotation)
+    bounds = []
+    for m in field.metadata:
+        for attr, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            if getattr(m, attr, None) is not None:
+                bounds.append(f"{sym} {getattr(m, attr)}")
+        if getattr(m, "min_length", None):
+            bounds.append(f"at least {m.min_length} item(s)")
+    text = " | ".join(parts)
+    return f"{text} ({', '.join(bounds)})" if bounds else text
+
+
 def cmd_mechanisms(args) -> int:
+    from sweeps.spec_space import did_you_mean
     from trainables.registry import REGISTRY
 
+    names = getattr(args, "name", None)
+    if names:
+        unknown = [n for n in names if n not in REGISTRY]
+        if unknown:
+            _err(f"mechanisms: unknown trainable {unknown[0]!r}{did_you_mean(unknown[0], REGISTRY)}; "
+                 f"known: {', '.join(REGISTRY)}")
+            return EXIT_INVALID
+        for name in names:
+            entry = REGISTRY[name]
+            print(f"{entry.name}: {entry.description}")
+            protects = getattr(entry, "epsilon_protects", None)
+            if protects:
+                print(f"epsilon protects: {protects}")
+            print()
+            rows = [(key, repr(field.get_default(call_default_factory=True)), _allowed(field), field.description or "")
+                    for key, field in entry.config_model.model_fields.items()]
+            widths = [max(len(r[i]) for r in rows + [("key", "default", "allowed", "")]) for i in range(3)]
+            head = ("key", "default", "allowed")
+            print("  ".join(h.ljust(w) for h, w in zip(head, widths)) + "  meaning")
+            for r in rows:
+                print("  ".join(v.ljust(w) for v, w in zip(r[:3], widths)) + "  " + r[3])
+            print()
+        return EXIT_OK
     for entry in REGISTRY.values():
         print(f"{entry.name}: {entry.description}")
         for key, field in entry.config_model.model_fields.items():
             default = field.get_default(call_default_factory=True)
             print(f"    {key:<20} default {default!r:<12} {field.description or ''}")
         print()
+    print(f"one trainable with the allowed values of each key: {_tool('dpsweep')} mechanisms NAME")
     return EXIT_OK
 
 
@@ -88,9 +151,10 @@ def cmd_run(args) -> int:
     from sweeps.spec import SpecError, expand_trials, load_spec, ray_param_space, spec_to_flat_params
 
     try:
-        spec = load_spec(args.spec, args.set)
-        if args.name:
-            spec = load_spec(args.spec, [*args.set, f"name={args.name}"])
+        overrides = list(args.set)
+        if args.name:  # names the sweep (its directory, the parent run) and the MLflow experiment
+            overrides += [f"name={json.dumps(args.name)}", f"mlflow.experiment={json.dumps(args.name)}"]
+        spec = load_spec(args.spec, overrides)
         trials = expand_trials(spec) if spec.search.algorithm != "optuna" else []
         param_space = ray_param_space(spec)
     except SpecError as exc:
@@ -98,6 +162,7 @@ def cmd_run(args) -> int:
         return EXIT_INVALID
     from sweeps.tracking import resolve_tracking_uri
 
+    _warn_spec(spec)
     tracking_uri = resolve_tracking_uri(args.tracking_uri, spec.mlflow.tracking_uri)
     storage = _storage_path(args.storage, spec.storage)
     total = len(trials) if spec.search.algorithm != "optuna" else spec.search.num_samples
@@ -115,7 +180,9 @@ def cmd_run(args) -> int:
               f"by {spec.search.metric} is released; end-to-end epsilon {tuning['tuning_epsilon']:.4g} at delta "
               f"{tuning['tuning_delta']:.3g} (one trial: at most {tuning['trial_epsilon_worst']:.4g})", flush=True)
     print(f"sweep {spec.name}: {total} trials of {', '.join(t.name for t in spec.trainables)}; "
-          f"storage {storage}; MLflow {tracking_uri}", flush=True)
+          f"storage {storage}; MLflow {tracking_uri} (experiment {spec.mlflow.experiment})", flush=True)
+    for warning in spec.warnings:
+        print(f"dpsweep: warning: {warning}", file=sys.stderr, flush=True)
     if args.dry_run:
         from sweeps.runner import format_table
 
@@ -133,7 +200,7 @@ def cmd_run(args) -> int:
             _err(f"dataset {name!r} is not available: {exc}")
             return EXIT_FAILED
 
-    from sweeps.runner import build_tuner, ray_init, save_state
+    from sweeps.runner import build_tuner, ray_init, save_state, swept_keys
     from sweeps.tracking import start_parent_run
 
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -146,13 +213,19 @@ def cmd_run(args) -> int:
     except StorageRefused as exc:
         _err(str(exc))
         return EXIT_INVALID
+    gpu = _trial_gpu(spec)
+    if gpu is None:
+        return EXIT_INVALID
     info = start_parent_run(tracking_uri, spec.mlflow.experiment or spec.name, run_name, spec.raw,
                             spec_to_flat_params(spec))
+    info["swept"] = swept_keys(spec, trials)  # names the child runs
     artifact_warning(info)
     exp_dir = f"{storage.rstrip('/')}/{run_name}"
     if "://" not in storage:
-        save_state(Path(exp_dir), {"spec": spec.raw, "mlflow": info, "run_name": run_name, "total": total})
+        save_state(Path(exp_dir), {"spec": spec.raw, "mlflow": info, "run_name": run_name, "total": total,
+                                   "gpu": gpu})
     print(f"experiment {exp_dir}; MLflow parent run {info['parent_run_id']}", flush=True)
+    _say_where(spec, info, exp_dir)
     if total == 0:  # tuning_privacy drew K = 0 (Poisson): nothing runs, nothing is released
         from sweeps.tracking import finish_parent_run, record_selection
 
@@ -161,20 +234,91 @@ def cmd_run(args) -> int:
         print("K = 0 trials drawn: nothing ran and nothing is released (the guarantee holds trivially)")
         return EXIT_OK
     tuner = build_tuner(spec, storage=storage, run_name=run_name, mlflow_info=info, param_space=param_space,
-                        total=total)
-    return _fit_and_finish(tuner, info, exp_dir, tracking_uri, spec)
+                        total=total, gpu=gpu)
+    return _fit_and_finish(tuner, info, exp_dir, tracking_uri, spec, total)
 
 
-def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec) -> int:
-    from sweeps.runner import format_table, summarize
-    from sweeps.tracking import finish_parent_run, record_selection
+def _trial_gpu(spec) -> float | None:
+    """``resources.gpu`` resolved against the running Ray cluster (None: refused, reported)."""
+    import ray
+
+    from sweeps.cluster_checks import ResourcesRefused, trial_gpu
+
+    try:
+        gpu = trial_gpu(spec.resources.gpu, spec.max_concurrent_trials)
+    except ResourcesRefused as exc:
+        _err(str(exc))
+        return None
+    have = ray.cluster_resources().get("GPU", 0.0)
+    note = f" (auto; the cluster has {have:g} GPU(s))" if spec.resources.gpu == "auto" else ""
+    print(f"resources per trial: cpu {spec.resources.cpu:g}, gpu {gpu:g}{note}", flush=True)
+    return gpu
+
+
+def _say_where(spec, info: dict, exp_dir: str) -> None:
+    """Where the sweep's data goes (checkpoints, MLflow runs and artifacts)."""
+    from mlflow.tracking import MlflowClient
+
+    from trainables.tracking import retry
+
+    kept = ("kept (keep_checkpoints: true)" if spec.keep_checkpoints
+            else "deleted once the trial's results are in MLflow (keep_checkpoints: true keeps them)")
+    print(f"data:     checkpoints under {exp_dir}, the latest per trial, {kept}", flush=True)
+    try:
+        exp = retry(lambda: MlflowClient(info["tracking_uri"]).get_experiment(str(info["experiment_id"])),
+                    what="get_experiment", attempts=2)
+        where = f", artifacts under {exp.artifact_location}"
+    except RuntimeError:
+        where = ""
+    print(f"          MLflow runs in {info['tracking_uri']} (experiment {spec.mlflow.experiment}, id "
+          f"{info['experiment_id']}){where}", flush=True)
+
+
+def _unfinished(results, total: int | None) -> int:
+    """Trials the sweep has not finished: neither terminated nor errored, or never started."""
+    trials = list(getattr(results, "_experiment_analysis").trials)
+    open_ = sum(t.status not in ("TERMINATED", "ERROR") for t in trials)
+    return open_ + max(0, (total or 0) - len(trials))
+
+
+def _interrupted(info: dict, exp_dir: str, unfinished: int | None, total: int | None) -> int:
+    """Ctrl-C: the parent run (and its RUNNING child runs) KILLED; say how to resume."""
+    from sweeps.tracking import stop_parent_run
+
+    resume = f"{_tool('dpsweep')} resume {exp_dir}"
+    try:
+        stop_parent_run(info, "KILLED", f"interrupted; resume with: {resume}")
+    except Exception as exc:  # noqa: BLE001 - the resume line matters more
+        _err(f"could not mark the MLflow parent run KILLED: {exc}")
+    left = f"{unfinished} of {total} trials unfinished; " if unfinished is not None and total else ""
+    print(f"dpsweep: interrupted: {left}MLflow parent run {info['parent_run_id']} KILLED; "
+          f"continue with: {resume}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
+
+
+def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, total: int | None = None) -> int:
+    from sweeps.runner import NOT_LEARNED_LEGEND, format_table, summarize
+    from sweeps.tracking import finish_parent_run, record_selection, stop_parent_run
 
     experiment = spec.mlflow.experiment or spec.name
     try:
+        # Ray catches the first SIGINT itself (it stops the trials, saves the experiment state and
+        # returns); a second one raises KeyboardInterrupt here
         results = tuner.fit()
     except KeyboardInterrupt:
-        _err(f"interrupted; continue with: dpsweep resume {exp_dir}")
+        return _interrupted(info, exp_dir, None, total)
+    except Exception as exc:  # noqa: BLE001 - a crashed sweep must not leave its parent RUNNING
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        try:
+            stop_parent_run(info, "FAILED", f"{type(exc).__name__}: {first}")
+        except Exception:  # noqa: BLE001
+            pass
+        _err(f"the sweep crashed ({type(exc).__name__}: {first}); MLflow parent run {info['parent_run_id']} "
+             f"FAILED; logs under {exp_dir}")
         return EXIT_FAILED
+    unfinished = _unfinished(results, total)
+    if unfinished:
+        return _interrupted(info, exp_dir, unfinished, total)
     rows, summary, failed = summarize(results, extra_metrics=[spec.search.metric] if spec.search.metric else [])
     tuning = None
     if spec.tuning_privacy is not None:
@@ -188,6 +332,8 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec) ->
     finish_parent_run(info, summary, "FAILED" if failed else "FINISHED")
     print()
     print(format_table(rows))
+    if any(str(r.get("status", "")).endswith("!") for r in rows):
+        print(NOT_LEARNED_LEGEND)
     print()
     if failed:
         print(f"{failed} trial(s) failed after their retries; logs under {exp_dir}")
@@ -214,17 +360,25 @@ def cmd_resume(args) -> int:
         return EXIT_INVALID
     ray_init()
     from sweeps.cluster_checks import StorageRefused, preflight
+    from sweeps.runner import trial_resources
+    from sweeps.tracking import reopen_parent_run
 
     try:
         preflight(str(exp_dir.parent), state["mlflow"]["tracking_uri"])
     except StorageRefused as exc:
         _err(str(exc))
         return EXIT_INVALID
-    trainable = tune.with_resources(dispatch, {"cpu": spec.resources.cpu, "gpu": spec.resources.gpu})
+    gpu = _trial_gpu(spec)
+    if gpu is None:
+        return EXIT_INVALID
+    trainable = tune.with_resources(dispatch, trial_resources(spec, gpu))
+    # Ray restores the experiment's callbacks (progress lines, checkpoint clean-up) with it
     tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, restart_errored=True)
     info = state["mlflow"]
+    reopen_parent_run(info)
     print(f"resuming {exp_dir}; MLflow parent run {info['parent_run_id']}", flush=True)
-    return _fit_and_finish(tuner, info, str(exp_dir), info["tracking_uri"], spec)
+    _say_where(spec, info, str(exp_dir))
+    return _fit_and_finish(tuner, info, str(exp_dir), info["tracking_uri"], spec, state.get("total"))
 
 
 def cmd_report(args) -> int:
@@ -264,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     val.set_defaults(fn=cmd_validate)
 
     mech = sub.add_parser("mechanisms", help="list trainables with their parameters")
+    mech.add_argument("name", nargs="*", help="show these trainables with each key's default, allowed values and meaning")
     mech.set_defaults(fn=cmd_mechanisms)
 
     rep = sub.add_parser("report", help="tables and plots of a sweep from MLflow")

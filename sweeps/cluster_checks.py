@@ -214,3 +214,45 @@ def artifact_warning(info: dict) -> None:
     client = MlflowClient(info["tracking_uri"])
     exp = retry(lambda: client.get_experiment(str(info["experiment_id"])), what="get_experiment")
     _warn(artifact_warnings(exp.artifact_location or "", nodes=nodes, cluster=cluster))
+
+
+class ResourcesRefused(ValueError):
+    """The sweep asks for resources the Ray cluster does not have and cannot get."""
+
+
+#: the GPU share of one trial under ``resources.gpu: auto`` without max_concurrent_trials
+AUTO_GPU_SHARE = 0.25
+
+
+def resolve_gpu(requested, cluster_resources: Mapping[str, float], *, max_concurrent: int | None,
+                can_autoscale: bool) -> float:
+    """The GPUs per trial for ``resources.gpu`` once Ray is up (``ray.cluster_resources()``).
+
+    ``auto``: 0 when the cluster reports no GPU; otherwise ``min(1, GPUs / max_concurrent_trials)``
+    (floored to 1/100) when max_concurrent_trials is set, else ``AUTO_GPU_SHARE`` (four trials per
+    GPU). A number: used as given, but refused (``ResourcesRefused``, one line naming the field) when
+    the cluster has fewer GPUs than one trial needs, unless the cluster may autoscale (connected
+    through RAY_ADDRESS: GPU workers can still join; Ray then waits for them).
+    """
+    gpus = float(cluster_resources.get("GPU", 0.0) or 0.0)
+    if requested == "auto":
+        if gpus <= 0:
+            return 0.0
+        if max_concurrent:
+            return max(0.01, min(1.0, int(gpus / max_concurrent * 100) / 100))
+        return AUTO_GPU_SHARE
+    requested = float(requested)
+    if requested > 0 and gpus < requested and not can_autoscale:
+        have = "no GPU" if gpus <= 0 else f"{gpus:g} GPU(s)"
+        raise ResourcesRefused(
+            f"resources.gpu: {requested:g} GPU(s) per trial, but the Ray cluster has {have} "
+            f"(ray.cluster_resources()); trials would wait forever; use resources.gpu: auto or 0")
+    return requested
+
+
+def trial_gpu(requested, max_concurrent: int | None) -> float:
+    """``resolve_gpu`` against the running Ray instance (call after ``ray.init``)."""
+    import ray
+
+    return resolve_gpu(requested, ray.cluster_resources(), max_concurrent=max_concurrent,
+                       can_autoscale=connected_to_cluster())

@@ -55,6 +55,34 @@ class ProgressPrinter(tune.Callback):
         self._say(f"FAILED   {trial.trial_id} ({_describe(trial.config)}); see {trial.local_path}")
 
 
+class CheckpointCleaner(tune.Callback):
+    """Deletes a trial's checkpoints once it completes (issue 13, point 13).
+
+    A completed trial (Ray calls ``on_trial_complete`` only for trials that ended without an
+    error: evaluated, or stopped by the scheduler) has logged its final metrics, weights and tables
+    to MLflow and closed its child run before its last result, and neither ``dpsweep resume`` nor
+    a retry ever restores it, so its checkpoints (tens of MB each) are dead weight. Errored trials
+    keep theirs (``resume`` retries them from it). ``keep_checkpoints: true`` disables this.
+    """
+
+    def __init__(self):
+        self.removed = 0
+        self.failed: list[str] = []
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        from pyarrow import fs as pafs
+
+        try:
+            filesystem, path = trial.storage.storage_filesystem, trial.path
+            listing = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+            for entry in listing:
+                if entry.type == pafs.FileType.Directory and entry.base_name.startswith("checkpoint_"):
+                    filesystem.delete_dir(entry.path)
+            self.removed += 1
+        except Exception as exc:  # noqa: BLE001 - disk hygiene must never fail a sweep
+            self.failed.append(f"{trial.trial_id}: {exc}")
+
+
 def _describe(config: dict) -> str:
     from trainables.dispatch import trial_config
 
@@ -63,17 +91,61 @@ def _describe(config: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in shown.items())
 
 
+def swept_keys(spec, trials: list[dict] | None = None) -> dict[str, list[str]]:
+    """Per trainable, the keys whose value varies in the sweep (they name the child runs):
+    grid/random: the keys that differ between that trainable's expanded trials; optuna: the keys
+    the spec gives a distribution or a list of several values."""
+    out: dict[str, list[str]] = {}
+    if spec.search.algorithm == "optuna":
+        for t in spec.trainables:
+            out[t.name] = [k for k, v in t.search.items()
+                           if isinstance(v, dict) or (isinstance(v, list) and len(v) > 1)]
+        return out
+    by: dict[str, list[dict]] = {}
+    for trial in trials or []:
+        by.setdefault(trial.get("trainable", ""), []).append(trial)
+    for name, group in by.items():
+        keys = []
+        for k in group[0]:
+            if k == "trainable":
+                continue
+            values = {json.dumps(t.get(k), sort_keys=True, default=str) for t in group}
+            if len(values) > 1:
+                keys.append(k)
+        out[name] = keys
+    return out
+
+
+def _final_metric_optuna():
+    """OptunaSearch that reads a single objective from the results that carry it.
+
+    Ray's single-objective OptunaSearch hands every intermediate result to Optuna
+    (``result[metric]``): the per-epoch results carry ``train_loss``/``test_acc`` only, so a final
+    metric (``acc_clean``, ``cert_acc_*``) raised KeyError inside Ray and killed every trial. The
+    final result carries every metric (the last epoch's included), and Optuna is told the trial's
+    value from it at completion; no pruner is used, so skipping the intermediate results loses
+    nothing."""
+    from ray.tune.search.optuna import OptunaSearch
+
+    class FinalMetricOptunaSearch(OptunaSearch):
+        def on_trial_result(self, trial_id: str, result: dict):
+            if isinstance(self.metric, str) and self.metric not in result:
+                return
+            super().on_trial_result(trial_id, result)
+
+    return FinalMetricOptunaSearch
+
+
 def search_algorithm(spec):
     """None (Ray's variant generator over the pre-expanded trials) or Optuna, single- or
     multi-objective."""
     s = spec.search
     if s.algorithm != "optuna":
         return None
-    from ray.tune.search.optuna import OptunaSearch
-
+    search_cls = _final_metric_optuna()
     if s.objectives:
-        return OptunaSearch(metric=[o.metric for o in s.objectives], mode=[o.mode for o in s.objectives], seed=s.seed)
-    return OptunaSearch(metric=s.metric, mode=s.mode, seed=s.seed)
+        return search_cls(metric=[o.metric for o in s.objectives], mode=[o.mode for o in s.objectives], seed=s.seed)
+    return search_cls(metric=s.metric, mode=s.mode, seed=s.seed)
 
 
 def trial_scheduler(spec):
@@ -86,12 +158,26 @@ def trial_scheduler(spec):
                          grace_period=sch.grace_period, reduction_factor=sch.reduction_factor)
 
 
-def build_tuner(spec, *, storage: str, run_name: str, mlflow_info: dict, param_space: dict, total: int | None):
+def trial_resources(spec, gpu: float | None = None) -> dict:
+    """Ray resources of one trial; ``gpu`` is the resolved ``resources.gpu`` (a number, see
+    ``sweeps.cluster_checks.resolve_gpu``)."""
+    value = spec.resources.gpu if gpu is None else gpu
+    return {"cpu": spec.resources.cpu, "gpu": 0.0 if value == "auto" else float(value)}
+
+
+def callbacks(spec, total: int | None) -> list:
+    out = [ProgressPrinter(total)]
+    if not spec.keep_checkpoints:
+        out.append(CheckpointCleaner())
+    return out
+
+
+def build_tuner(spec, *, storage: str, run_name: str, mlflow_info: dict, param_space: dict, total: int | None,
+                gpu: float | None = None):
     # per-epoch results carry train_loss/test_acc only; the final metrics a searcher optimises
     # (acc_clean, epsilon, cert_acc_*) arrive with the last result of each trial
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-    res = spec.resources
-    trainable = tune.with_resources(dispatch, {"cpu": res.cpu, "gpu": res.gpu})
+    trainable = tune.with_resources(dispatch, trial_resources(spec, gpu))
     space = dict(param_space)
     space["_mlflow"] = mlflow_info
     tune_config = tune.TuneConfig(
@@ -105,8 +191,8 @@ def build_tuner(spec, *, storage: str, run_name: str, mlflow_info: dict, param_s
         name=run_name,
         storage_path=storage,
         failure_config=tune.FailureConfig(max_failures=spec.failure.max_retries),
-        checkpoint_config=tune.CheckpointConfig(num_to_keep=2),
-        callbacks=[ProgressPrinter(total)],
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=1),  # each checkpoint holds the full state
+        callbacks=callbacks(spec, total),
         verbose=0,
     )
     return tune.Tuner(trainable, param_space=space, tune_config=tune_config, run_config=run_config)
@@ -143,6 +229,8 @@ def summarize(result_grid, extra_metrics=()) -> tuple[list[dict], dict[str, floa
             if k.startswith(("acc_", "cert_acc_", "smooth_cert_acc_")) or k in ("epsilon", "delta", *extra_metrics):
                 row[k] = val
         row["status"] = "ERROR" if r.error else ("DONE" if m.get("evaluated") else "STOPPED")
+        if m.get("not_learned") == 1:
+            row["status"] += " !"
         failed += int(r.error is not None)
         rows.append(row)
     eps = [row["epsilon"] for row in rows if isinstance(row.get("epsilon"), (int, float)) and math.isfinite(row["epsilon"])]
@@ -172,12 +260,39 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+NOT_LEARNED_LEGEND = ("!  did not learn (not_learned = 1: final train loss within 5% of ln K, or accuracy at "
+                      "chance; docs/metrics.md): its accuracies and certificates say nothing about the mechanism")
+
+
+def quiet_ray() -> None:
+    """Keep Ray's own hints (the dashboard token, TensorBoard, ``Tuner.restore``, the experiment
+    snapshot timing) off the console: dpsweep prints its own progress, where the data goes and how
+    to resume. Warnings and errors of Ray still show."""
+    import logging
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    # frequent experiment snapshots are expected with a checkpoint per epoch
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    for name in ("ray.tune", "ray.train", "ray.air"):
+        logging.getLogger(name).addFilter(_RayHintFilter())
+
+
+class _RayHintFilter:
+    """Drops Ray's log records that duplicate what dpsweep says (how to resume, where results
+    are), or address a Ray user (tokens, TensorBoard)."""
+
+    HINTS = ("Tuner.restore", "tensorboard", "TensorBoard", "has been interrupted", "token",
+             "Wrote the latest version", "Trials did not complete", "Stop signal received")
+
+    def filter(self, record) -> bool:
+        msg = record.getMessage()
+        return not any(h in msg for h in self.HINTS)
+
+
 def ray_init() -> None:
     import ray
 
+    quiet_ray()
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-        # keeping two checkpoints per trial forces frequent experiment snapshots; that is expected
-        os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
                  log_to_driver=False, configure_logging=True, logging_level="WARNING")

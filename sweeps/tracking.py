@@ -45,13 +45,24 @@ def project_version() -> str:
         return "unknown"
 
 
+#: MLflow 3's UI opens an experiment in its GenAI view (traces) unless this tag says otherwise
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def experiment_id(client, name: str) -> str:
+    """The id of experiment ``name`` (created, or restored if deleted), tagged as model training
+    (``mlflow.experimentKind``) on creation and on every reuse."""
     exp = retry(lambda: client.get_experiment_by_name(name), what="get_experiment_by_name")
     if exp is not None:
         if exp.lifecycle_stage == "deleted":
             retry(lambda: client.restore_experiment(exp.experiment_id), what="restore_experiment")
-        return exp.experiment_id
-    return retry(lambda: client.create_experiment(name), what="create_experiment")
+        exp_id = exp.experiment_id
+        if exp.tags.get(EXPERIMENT_KIND[0]) == EXPERIMENT_KIND[1]:
+            return exp_id
+    else:
+        exp_id = retry(lambda: client.create_experiment(name, tags=dict([EXPERIMENT_KIND])), what="create_experiment")
+    retry(lambda: client.set_experiment_tag(exp_id, *EXPERIMENT_KIND), what="set_experiment_tag")
+    return exp_id
 
 
 def start_parent_run(tracking_uri: str, experiment: str, run_name: str, spec_raw: dict, flat_params: dict) -> dict:
@@ -74,6 +85,36 @@ def start_parent_run(tracking_uri: str, experiment: str, run_name: str, spec_raw
         path.write_text(yaml.safe_dump(spec_raw, sort_keys=False))
         retry(lambda: client.log_artifact(run_id, str(path)), what="log_artifact(spec)")
     return {"tracking_uri": tracking_uri, "experiment_id": exp_id, "parent_run_id": run_id}
+
+
+def reopen_parent_run(info: dict) -> None:
+    """``dpsweep resume``: the interrupted sweep's parent run is RUNNING again."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(info["tracking_uri"])
+    retry(lambda: client.update_run(info["parent_run_id"], status="RUNNING"), what="update_run(parent)")
+    retry(lambda: client.set_tag(info["parent_run_id"], "dpsweep.interrupted", "resumed"), what="set_tag")
+
+
+def stop_parent_run(info: dict, status: str, note: str) -> int:
+    """An interrupted (``KILLED``) or crashed (``FAILED``) sweep: the parent run and its child runs
+    still RUNNING get ``status``; ``note`` goes in the parent's ``dpsweep.interrupted`` tag (how to
+    resume) or ``dpsweep.error`` tag. Returns the number of child runs stopped."""
+    from mlflow.tracking import MlflowClient
+
+    from trainables.tracking import TAG_PARENT
+
+    client = MlflowClient(info["tracking_uri"])
+    parent = info["parent_run_id"]
+    retry(lambda: client.set_tag(parent, "dpsweep.interrupted" if status == "KILLED" else "dpsweep.error",
+                                 note[:5000]), what="set_tag(parent)")
+    running = retry(lambda: client.search_runs(
+        [str(info["experiment_id"])], filter_string=f"tags.`{TAG_PARENT}` = '{parent}' and attributes.status = 'RUNNING'",
+        max_results=10000), what="search_runs(running children)")
+    for run in running:
+        retry(lambda: client.set_terminated(run.info.run_id, status=status), what="set_terminated(child)")
+    retry(lambda: client.set_terminated(parent, status=status), what="set_terminated(parent)")
+    return len(running)
 
 
 def finish_parent_run(info: dict, summary: dict[str, float], status: str) -> None:
