@@ -68,3 +68,14 @@ def test_guess_fraction_one_guesses_every_canary(m):
     included = rng.random(m) < 0.5
     res = audit(rng.random(m), included, guess_fraction=1.0, delta=1e-6)
     assert res["audit_guesses"] == m
+
+
+def test_trial_with_an_impossible_audit_is_refused_at_validation():
+    from pydantic import ValidationError
+
+    from trainables.dpsgd import DPSGDTrialConfig
+
+    assert DPSGDTrialConfig(audit_canaries=1000, delta=1e-5).audit_canaries == 1000
+    with pytest.raises(ValidationError, match="audit_canaries: 2000 canaries with delta = 0.01 make the audit impossible"):
+        DPSGDTrialConfig(audit_canaries=2000, delta=0.01)
+    assert DPSGDTrialConfig(audit_canaries=7, audit_guess_fraction=1.0).audit_canaries == 7

@@ -54,6 +54,16 @@ class CommonConfig(BaseModel):
         if self.audit_canaries and not self.protects_training_examples:
             raise ValueError("audit_canaries: this mechanism gives no privacy guarantee for its training examples, "
                              "there is no claim to audit")
+        if self.audit_canaries and getattr(self, "privacy_delta_key", "delta"):
+            from dpmech.audit import audit_possible, guess_counts
+
+            key = getattr(self, "privacy_delta_key", "delta")
+            m, delta = self.audit_canaries, float(getattr(self, key, 0.0) or 0.0)
+            r = sum(guess_counts(m, self.audit_guess_fraction))
+            if audit_possible(m, 0.0, self.audit_beta, r) and not audit_possible(m, delta, self.audit_beta, r):
+                raise ValueError(f"audit_canaries: {m} canaries with {key} = {delta:g} make the audit "
+                                 f"impossible (the term 2 m delta alpha of Steinke et al. leaves nothing of audit_beta = "
+                                 f"{self.audit_beta}); use fewer canaries or a smaller delta (docs/audit.md)")
         return self
 
     def smoothing_unavailable(self) -> str | None:
