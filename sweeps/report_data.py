@@ -68,11 +68,31 @@ def metric_value(value) -> float:
     return out
 
 
-def _latest_sweep(client, exp_id: str):
+def _finished_children(client, exp_id: str, parent_id: str) -> bool:
+    flt = f"tags.`{TAG_PARENT}` = '{parent_id}' and attributes.status = 'FINISHED'"
+    return bool(retry(lambda: client.search_runs([exp_id], filter_string=flt, max_results=1), what="search_runs"))
+
+
+def _latest_sweep(client, exp_id: str, experiment: str = ""):
+    """The latest sweep with at least one finished trial (one stopped before any trial finished,
+    or whose trials all failed, has nothing to report: skipped, with a note on stderr); None when
+    the experiment holds no sweep; ValueError when no sweep has a finished trial."""
+    import sys
+
     runs = retry(lambda: client.search_runs([exp_id], filter_string="tags.`dpsweep.kind` = 'sweep'",
-                                            order_by=["attributes.start_time DESC"], max_results=1),
+                                            order_by=["attributes.start_time DESC"], max_results=200),
                  what="search_runs")
-    return runs[0] if runs else None
+    if not runs:
+        return None
+    for run in runs:
+        if _finished_children(client, exp_id, run.info.run_id):
+            if run is not runs[0]:
+                print(f"dpsweep: note: the latest sweep of {experiment!r} ({runs[0].info.run_name}, "
+                      f"{runs[0].info.status}) has no finished trial; reporting on {run.info.run_name}",
+                      file=sys.stderr, flush=True)
+            return run
+    raise ValueError(f"experiment: no sweep of {experiment!r} has a finished trial (the latest, "
+                     f"{runs[0].info.run_name}, is {runs[0].info.status}); nothing to report")
 
 
 def load_sweep(experiment: str, tracking_uri: str, *, parent_run_id: str | None = None) -> Sweep:
@@ -86,8 +106,11 @@ def load_sweep(experiment: str, tracking_uri: str, *, parent_run_id: str | None 
         raise ValueError(f"experiment: no MLflow experiment named {experiment!r} at {tracking_uri}")
     if parent_run_id:
         parent = retry(lambda: client.get_run(parent_run_id), what="get_run")
+        if not _finished_children(client, exp.experiment_id, parent_run_id):
+            raise ValueError(f"--run: sweep {parent.info.run_name} ({parent_run_id}) has no finished trial; "
+                             f"nothing to report")
     else:
-        parent = _latest_sweep(client, exp.experiment_id)
+        parent = _latest_sweep(client, exp.experiment_id, experiment)
     if parent is None:
         raise ValueError(f"experiment: {experiment!r} holds no dpsweep sweep run")
     flt = f"tags.`{TAG_PARENT}` = '{parent.info.run_id}'"

@@ -233,7 +233,9 @@ def summarize(result_grid, extra_metrics=()) -> tuple[list[dict], dict[str, floa
             row["status"] += " !"
         failed += int(r.error is not None)
         rows.append(row)
-    eps = [row["epsilon"] for row in rows if isinstance(row.get("epsilon"), (int, float)) and math.isfinite(row["epsilon"])]
+    from trainables.registry import REGISTRY  # privacy epsilons only: a robustness epsilon is not one (docs/metrics.md)
+    eps = [row["epsilon"] for row in rows if isinstance(row.get("epsilon"), (int, float)) and math.isfinite(row["epsilon"])
+           and getattr(REGISTRY.get(row.get("trainable")), "privacy_epsilon", True)]
     summary = {"trials": float(len(rows)), "trials_failed": float(failed)}
     if eps:
         summary.update({"epsilon_max_trial": max(eps), "epsilon_min_trial": min(eps)})
@@ -265,24 +267,32 @@ NOT_LEARNED_LEGEND = ("!  did not learn (not_learned = 1: final train loss withi
 
 
 def quiet_ray() -> None:
-    """Keep Ray's own hints (the dashboard token, TensorBoard, ``Tuner.restore``, the experiment
-    snapshot timing) off the console: dpsweep prints its own progress, where the data goes and how
-    to resume. Warnings and errors of Ray still show."""
+    """Keep Ray's own hints (the token-authentication notice, the experiment box, TensorBoard,
+    ``Tuner.restore``, snapshot timings) and MLflow's database set-up notes off the console: dpsweep
+    prints its own progress, where the data goes and how to resume. Ray's other warnings and its
+    errors still show."""
     import logging
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     # frequent experiment snapshots are expected with a checkpoint per epoch
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
-    for name in ("ray.tune", "ray.train", "ray.air"):
-        logging.getLogger(name).addFilter(_RayHintFilter())
+    # Ray's new console output prints an experiment box and a TensorBoard hint even at verbose=0
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    for name in ("ray.tune", "ray.train", "ray.air", "ray.tune.tune", "ray.tune.impl.tuner_internal",
+                 "ray._private.authentication.authentication_token_setup"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RayHintFilter) for f in logger.filters):
+            logger.addFilter(_RayHintFilter())
+    for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 class _RayHintFilter:
-    """Drops Ray's log records that duplicate what dpsweep says (how to resume, where results
-    are), or address a Ray user (tokens, TensorBoard)."""
+    """Drops Ray's log records that repeat what dpsweep says (how to resume, where the results
+    are) or address a Ray user (the default token authentication of a local cluster, TensorBoard)."""
 
-    HINTS = ("Tuner.restore", "tensorboard", "TensorBoard", "has been interrupted", "token",
-             "Wrote the latest version", "Trials did not complete", "Stop signal received")
+    HINTS = ("Tuner.restore", "TensorBoard", "tensorboard", "has been interrupted", "Wrote the latest version",
+             "Trials did not complete", "Stop signal received", "Token authentication is enabled for this Ray cluster")
 
     def filter(self, record) -> bool:
         msg = record.getMessage()
