@@ -41,7 +41,8 @@ MAX_TRIALS = 10_000
 GENERIC_METRICS = ("acc_clean", "epsilon", "delta", "compute_seconds")
 _LEDGER = ("epsilon_pld", "noise_multiplier", "sampling_rate", "steps")
 MECHANISM_METRICS = {
-    "pixeldp": ("noise_scale", "sensitivity"),
+    "pixeldp": ("robustness_epsilon", "robustness_epsilon_config", "robustness_delta", "attack_bound", "noise_scale",
+                "sensitivity"),
     "dpsgd": _LEDGER,
     "secure_sgd": (*_LEDGER, "robustness_epsilon", "robustness_delta", "attack_bound", "noise_scale", "sensitivity"),
     "secure_sgd_agm": (*_LEDGER, "robustness_epsilon", "robustness_delta", "attack_bound", "noise_scale",
@@ -532,6 +533,8 @@ def reported_metrics(name: str, config: dict) -> set[str]:
     """The final metrics a trial of trainable ``name`` with this full config reports."""
     out = set(GENERIC_METRICS) | set(MECHANISM_METRICS.get(name, ()))
     out |= set(getattr(REGISTRY.get(name), "metrics", ()) or ())
+    if not getattr(REGISTRY.get(name), "privacy_epsilon", True):  # a robustness epsilon has its own names
+        out -= {"epsilon", "delta"}
     for attack, sizes in (config.get("attacks") or {}).items():
         out |= {f"acc_{attack}_{format_size(s)}" for s in sizes}
     certifier = config.get("certifier") or "default"

@@ -42,7 +42,7 @@ COMMON = {
     "certify_images": 8, "certify_n": 20, "attacks": {"pgd": [0.1]}, "attack_steps": 2,
     "certify_sizes": [0.05], "seed": 3,
 }
-FINAL = ("acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "epsilon", "delta")
+FINAL = ("acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "robustness_epsilon", "robustness_delta")
 ARTIFACTS = {"model/weights.pt", "certification/certification.parquet", "certification/cert_acc.png"}
 
 
@@ -182,7 +182,9 @@ def killed_sweep(env):
     root.mkdir()
     storage = root / "ray_results"
     epochs = 3
-    spec = write_spec(root / "spec.yaml", "multinode", storage, {**COMMON, "epochs": epochs}, {"epsilon": [1.0]},
+    spec = write_spec(root / "spec.yaml", "multinode", storage, {**COMMON, "epochs": epochs},
+                      # seed swept (one value): both repeats keep it, they are twins (docs/specs.md)
+                      {"epsilon": [1.0], "seed": [COMMON["seed"]]},
                       search={"algorithm": "grid", "num_samples": 2}, max_concurrent_trials=1)
     killed: dict = {}
 
@@ -264,8 +266,8 @@ def test_killed_worker_process_resumes_into_the_same_run(env, killed_sweep):
     victim_id = next(t for t in trial_ids if t in victim.name)
     twin_id = next(t for t in trial_ids if t != victim_id)
     v, t = trial_ids[victim_id].data.metrics, trial_ids[twin_id].data.metrics
-    assert v["epsilon"] == t["epsilon"]
-    for key in ("acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "delta"):
+    assert v["robustness_epsilon"] == t["robustness_epsilon"]
+    for key in ("acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "robustness_delta"):
         assert v[key] == pytest.approx(t[key], abs=1e-12), key
     weights = []
     for tid in (victim_id, twin_id):
@@ -455,7 +457,7 @@ def test_mlflow_server_outage_mid_sweep_loses_no_metric(env):
             wait_for(lambda: any(result_lines(d) for d in storage.glob("*/*") if d.is_dir()), 600,
                      "the first epoch", poll=0.05)
             _, children = _runs(env, "outage")
-            outage["unfinished"] = len(children) == 1 and "epsilon" not in children[0].data.metrics
+            outage["unfinished"] = len(children) == 1 and "robustness_epsilon" not in children[0].data.metrics
             t0 = time.time()
             env.server.stop()
             time.sleep(3)

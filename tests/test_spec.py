@@ -268,12 +268,13 @@ def test_optuna_param_space():
 def test_optuna_multi_objective():
     raw = _optuna(epsilon={"uniform": [0.5, 2.0]})
     raw["search"] = {"algorithm": "optuna", "num_samples": 4,
-                     "objectives": [{"metric": "cert_acc_0.1", "mode": "max"}, {"metric": "epsilon", "mode": "min"}]}
+                     "objectives": [{"metric": "cert_acc_0.1", "mode": "max"},
+                                    {"metric": "robustness_epsilon", "mode": "min"}]}
     spec = validate_spec(raw)
-    assert [(o.metric, o.mode) for o in spec.search.objectives] == [("cert_acc_0.1", "max"), ("epsilon", "min")]
+    assert [(o.metric, o.mode) for o in spec.search.objectives] == [("cert_acc_0.1", "max"), ("robustness_epsilon", "min")]
     raw["search"]["objectives"][1]["metric"] = "cert_acc_0.1"
     assert _error(raw) == "search.objectives[1].metric: duplicate 'cert_acc_0.1'"
-    raw["search"]["objectives"][1] = {"metric": "epsilon", "mode": "down"}
+    raw["search"]["objectives"][1] = {"metric": "robustness_epsilon", "mode": "down"}
     assert _error(raw).startswith("search.objectives[1].mode: must be one of 'min', 'max'; got 'down'")
 
 
@@ -285,12 +286,15 @@ def test_asha_mode_defaults_to_the_metrics_direction():
 
 
 def test_metric_names_are_checked_against_what_the_trials_report():
-    ok = ["acc_clean", "epsilon", "noise_scale", "acc_pgd_0.5", "acc_pgd_1", "cert_acc_0.2", "acc_clean_expected"]
+    ok = ["acc_clean", "robustness_epsilon", "robustness_epsilon_config", "noise_scale", "acc_pgd_0.5", "acc_pgd_1", "cert_acc_0.2", "acc_clean_expected"]
     for metric in ok:
         validate_spec(_spec({"common.attacks": {"pgd": [0.5, 1.0]}, "common.certify_sizes": [0.1, 0.2],
                              "search": {"metric": metric, "mode": "max"}}))
     raw = _spec({"common.certify_sizes": [0.1, 0.2], "search": {"metric": "cert_acc_0.15", "mode": "max"}})
     assert _error(raw).startswith("search.metric: 'cert_acc_0.15' is not reported by every trial of 'pixeldp'")
+    # PixelDP's epsilon is a robustness parameter: no epsilon/delta metric (issue 13 point 2)
+    raw = _spec({"search": {"metric": "epsilon", "mode": "min"}})
+    assert _error(raw).startswith("search.metric: 'epsilon' is not reported by every trial of 'pixeldp'")
     raw = _spec({"common.certify_images": 0, "search": {"metric": "cert_acc_0.1", "mode": "max"}})
     assert "certify_images > 0" in _error(raw)
     raw = _optuna(certify_images={"choice": [100, 0]})

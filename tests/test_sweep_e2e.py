@@ -87,9 +87,10 @@ def test_cli_sweep_logs_parent_and_children(tmp_path, ray_local, monkeypatch, ca
     for run in children:
         assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
         m = run.data.metrics
-        for key in ("acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "cert_acc_0.1", "epsilon", "delta",
-                    "train_loss", "test_acc"):
+        for key in ("acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "cert_acc_0.1", "robustness_epsilon",
+                    "robustness_epsilon_config", "robustness_delta", "train_loss", "test_acc"):
             assert key in m, key
+        assert "epsilon" not in m and "delta" not in m  # PixelDP's epsilon is no privacy guarantee
         assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 2
         assert run.data.params["epsilon"] in ("0.5", "1.0")
         assert run.data.params["train_size"] == "256"
@@ -153,7 +154,7 @@ def test_crash_mid_training_resumes_into_the_same_run(tmp_path, ray_local):
     assert marker.exists()
     assert not results.errors
     final = {r.config["crash"]: r.metrics for r in results}
-    for key in ("epsilon", "acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "acc_clean_expected"):
+    for key in ("robustness_epsilon", "acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "acc_clean_expected"):
         assert final[True][key] == pytest.approx(final[False][key], abs=1e-9), key
 
     client, _, children = _runs(uri, "crash")
@@ -203,7 +204,8 @@ def test_optuna_multi_objective_and_asha(tmp_path, ray_local, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     spec = _spec(tmp_path, "optuna", [0.5, 1.0],
                  search={"algorithm": "optuna", "num_samples": 3, "seed": 1,
-                         "objectives": [{"metric": "acc_clean", "mode": "max"}, {"metric": "epsilon", "mode": "min"}]})
+                         "objectives": [{"metric": "acc_clean", "mode": "max"},
+                                        {"metric": "robustness_epsilon", "mode": "min"}]})
     raw = yaml.safe_load(spec.read_text())
     raw["trainables"][0]["search"]["lr"] = {"loguniform": [1e-4, 1e-2]}
     spec.write_text(yaml.safe_dump(raw))

@@ -31,6 +31,11 @@ class TrainableEntry:
     # such guarantee (tuning_privacy refuses it). privacy_keys: the config keys that change it.
     privacy_event: str | None = None
     privacy_keys: tuple[str, ...] = ()
+    # What the trial's ``epsilon`` metric protects, in words (``dpsweep mechanisms`` prints it;
+    # docs/metrics.md). privacy_epsilon False: the trainable logs no epsilon/delta metric at all
+    # (its epsilon is a robustness parameter, logged as robustness_epsilon*).
+    epsilon_protects: str = "training examples"
+    privacy_epsilon: bool = True
 
     @property
     def fn(self) -> Callable[[dict], None]:
@@ -52,21 +57,28 @@ REGISTRY: dict[str, TrainableEntry] = {
     "pixeldp": TrainableEntry(
         "pixeldp", "trainables.pixeldp:pixeldp", PixelDPTrialConfig,
         "PixelDP (Lecuyer et al. 2018): noise layer after a sensitivity-bounded first layer; "
-        "certified with the PixelDP robustness test."),
+        "certified with the PixelDP robustness test.",
+        epsilon_protects="nothing: no epsilon metric; the config's epsilon is a robustness parameter of the noise "
+                         "layer, logged as robustness_epsilon_config (configured) and robustness_epsilon "
+                         "(recomputed from the noise)",
+        privacy_epsilon=False),
     "dpal": TrainableEntry(
         "dpal", "trainables.dpal:dpal", DPALTrialConfig,
         "DPAL (ICLR 2020 submission, StoBatch lineage): DP auto-encoder and DP adversarial objective with "
-        "fixed noise and disjoint batches (Theorem 4), verified inference with the (kappa + phi)_max bound."),
+        "fixed noise and disjoint batches (Theorem 4), verified inference with the (kappa + phi)_max bound.",
+        epsilon_protects="training examples, by the paper's Theorem 4 accounting (eps_t; docs/dpal.md)"),
     "adlm": TrainableEntry(
         "adlm", "trainables.adlm:adlm", AdLMTrialConfig,
         "AdLM (Phan et al., ICDM 2017): LRP relevance released with Laplace noise, relevance-adaptive Laplace "
         "noise on the first affine transformation, functional-mechanism loss; epsilon = eps_1 + eps_2 + eps_3 "
-        "(the paper's accounting, docs/adlm.md); no certificate."),
+        "(the paper's accounting, docs/adlm.md); no certificate.",
+        epsilon_protects="training examples, by the paper's accounting (eps_1 + eps_2 + eps_3; docs/adlm.md)"),
     "dpgan": TrainableEntry(
         "dpgan", "trainables.dpgan:dpgan", DPGANTrialConfig,
         "DPGAN (Xie et al. 2018): conditional WGAN, critic steps on Poisson-sampled real data with per-example "
         "clipping at c_g, Gaussian noise and weight clipping; RDP/PLD epsilon from the ledger; evaluated by "
         "train-on-synthetic accuracy (docs/dpgan.md).",
+        epsilon_protects="training examples (RDP/PLD ledger of the critic's steps)",
         privacy_event="trainables.dpgan:privacy_event",
         privacy_keys=("epsilon", "delta", "epochs", "batch_size", "train_size", "dataset")),
     "dpsgd": TrainableEntry(
@@ -74,19 +86,23 @@ REGISTRY: dict[str, TrainableEntry] = {
         "DP-SGD (Abadi et al. 2016) through Opacus: Poisson sampling, per-example clipping (ghost or flat), "
         "Gaussian noise calibrated to (epsilon, delta) over the planned steps; RDP/PLD epsilon from the ledger; "
         "epsilon null = non-private baseline of the same network (docs/dpsgd.md).",
+        epsilon_protects="training examples (RDP/PLD ledger)",
         privacy_event="trainables.dpsgd:privacy_event",
         privacy_keys=DPSGD_PRIVACY_KEYS),
     "label_dp": TrainableEntry(
         "label_dp", "trainables.label_dp:label_dp", LabelDPTrialConfig,
         "Label DP (source: Laplace on MNIST labels): training labels released once per trial with the Laplace "
         "mechanism (one-hot + Lap(2/eps) -> argmax, or the digit + Lap(9/eps)) or K-ary randomized response, a "
-        "fresh CNN trained on them; classification or regression; epsilon protects labels only (docs/label_dp.md)."),
+        "fresh CNN trained on them; classification or regression; epsilon protects labels only (docs/label_dp.md).",
+        epsilon_protects="training labels only (label DP, delta 0); the images are not protected"),
     "secure_sgd": TrainableEntry(
         "secure_sgd", "trainables.secure_sgd:secure_sgd",
         _secure_sgd.SecureSGDTrialConfig,
         "SecureSGD (Phan et al., IJCAI 2019): DP-SGD (Opacus, RDP/PLD epsilon from the ledger) on a PixelDP net whose "
         "noise layer is calibrated by the heterogeneous Gaussian mechanism (Theorem 1, any eps_r); certified with "
         "the PixelDP test (docs/secure_sgd.md).",
+        epsilon_protects="training examples (DP-SGD ledger); the noise layer's robustness parameters are "
+                         "robustness_epsilon/robustness_delta",
         privacy_event="trainables.secure_sgd:privacy_event",
         privacy_keys=_secure_sgd.PRIVACY_KEYS),
     "secure_sgd_agm": TrainableEntry(
@@ -94,6 +110,8 @@ REGISTRY: dict[str, TrainableEntry] = {
         _secure_sgd.SecureSGDAGMTrialConfig,
         "SecureSGD-AGM: SecureSGD with the noise layer calibrated by the analytic Gaussian mechanism "
         "(Balle & Wang 2018) instead of the HGM (docs/secure_sgd.md).",
+        epsilon_protects="training examples (DP-SGD ledger); the noise layer's robustness parameters are "
+                         "robustness_epsilon/robustness_delta",
         privacy_event="trainables.secure_sgd:privacy_event",
         privacy_keys=_secure_sgd.PRIVACY_KEYS),
 }
