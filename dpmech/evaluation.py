@@ -4,7 +4,8 @@ certified accuracy curves, keyed by the metric names of docs/metrics.md.
 * ``acc_clean``: accuracy on the clean test examples;
 * ``acc_<attack>_<size>``: accuracy on adversarial examples of that attack and size (e.g.
   ``acc_pgd_0.2``); sizes are in the [-1, 1] input domain;
-* ``cert_acc_<size>``: certified accuracy at that attack size.
+* ``cert_acc_<size>``: certified accuracy at that attack size;
+* ``not_learned``: 1.0 when the trial did not learn (``did_not_learn``), else 0.0.
 
 For a model whose forward pass is random (PixelDP), predictions are the argmax of the expected
 scores estimated from ``n_predict`` draws (Lecuyer et al. 2018, Sec. 3.4) and the attacks
@@ -45,15 +46,24 @@ def predict(model: torch.nn.Module, x: torch.Tensor, *, n_predict: int = 1, batc
     return est.mean.argmax(axis=1)
 
 
+ATTACK_LABELS = ("true", "predicted")
+
+
 def conventional_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                           attacks: dict[str, list[float]] | None = None, norm: str = "linf",
                           n_predict: int = 1, eot_samples: int = 1, steps: int = 10, batch_size: int = 500,
-                          attack_kwargs: dict | None = None, seed: int = 0) -> dict[str, float]:
+                          attack_kwargs: dict | None = None, seed: int = 0,
+                          attack_labels: str = "true") -> dict[str, float]:
     """``acc_clean`` and ``acc_<attack>_<size>`` for every attack name and size in ``attacks``.
 
-    Attacks use the model's own predictions as labels (no label leaking, as in the DPAL
-    paper); accuracy is measured against the true labels ``y``.
+    ``attack_labels="true"`` (default): each attack maximises the loss of the true label ``y``,
+    as robust accuracy is defined in the literature (e.g. Madry et al. 2018, Eq. 2.1).
+    ``"predicted"``: it maximises the loss of the model's own clean prediction, the DPAL paper's
+    choice against label leaking (Kurakin et al. 2017); on a weak model this attacks the wrong
+    class for every misclassified example, and accuracy under attack can exceed clean accuracy.
+    Accuracy is measured against the true labels ``y`` in both cases.
     """
+    attack_labels = v.choice("attack_labels", attack_labels, ATTACK_LABELS)
     attacks = attacks or {}
     for name, sizes in attacks.items():
         if name not in ATTACKS:
@@ -69,15 +79,69 @@ def conventional_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
             advs = []
             for s in range(0, x.shape[0], batch_size):
                 xb = x[s:s + batch_size].to(device)
+                yb = torch.as_tensor(y_np[s:s + batch_size], device=device) if attack_labels == "true" else None
                 kwargs = dict(attack_kwargs or {})
                 kwargs.update(eps=float(size), norm=norm, eot_samples=eot_samples)
                 if name != "fgsm":
                     kwargs.setdefault("steps", steps)
                 if name == "pgd":
                     kwargs.setdefault("generator", gen)
-                advs.append(attack(name, model, xb, None, **kwargs).detach().cpu())
+                advs.append(attack(name, model, xb, yb, **kwargs).detach().cpu())
             x_adv = torch.cat(advs)
             out[metric_name(name, size)] = float((predict(model, x_adv, n_predict=n_predict) == y_np).mean())
+    return out
+
+
+# The did-not-learn rule (docs/metrics.md, ``not_learned``)
+LOSS_CHANCE_MARGIN = 0.05   # train_loss >= (1 - 0.05) ln K: within 5% of the loss of uniform predictions
+CHANCE_TEST_LEVEL = 0.01    # one-sided exact binomial test of accuracy against chance at this level
+MSE_CHANCE_MARGIN = 0.05    # regression: mse >= (1 - 0.05) x the MSE of predicting the mean
+
+
+def chance_accuracy(y, num_classes: int) -> float:
+    """Accuracy of the best constant prediction on labels ``y``: max(1/K, largest class frequency)."""
+    y = np.asarray(y.cpu() if torch.is_tensor(y) else y).astype(np.int64).ravel()
+    if y.size == 0:
+        raise ValueError("y must hold at least one label")
+    return max(1.0 / num_classes, float(np.bincount(y, minlength=num_classes).max() / y.size))
+
+
+def did_not_learn(*, num_classes: int, acc_clean: float | None = None, n_test: int | None = None, y=None,
+                  train_loss: float | None = None, loss_is_cross_entropy: bool = False,
+                  mse: float | None = None, y_values=None) -> float:
+    """``not_learned``: 1.0 when the model did not learn, else 0.0 (docs/metrics.md).
+
+    A classifier did not learn when either
+
+    * its final training loss is the mean cross-entropy (``loss_is_cross_entropy``) and
+      ``train_loss >= (1 - 0.05) ln K``: within 5% of (or above) the loss of predicting the uniform
+      distribution over the K classes (not finite counts as not learned); or
+    * its clean accuracy is not significantly above chance: with ``c = round(acc_clean * n_test)``
+      correct answers, the one-sided exact binomial test of ``c`` against ``Binomial(n_test, p0)``
+      gives a p-value above 0.01, where ``p0 = chance_accuracy(y, K)`` (the best constant
+      prediction on the evaluated labels: max(1/K, largest class frequency)).
+
+    A regressor (``mse`` given) did not learn when ``mse >= (1 - 0.05) Var(y_values)``: within 5%
+    of (or above) the MSE of predicting the mean of the evaluated targets.
+    """
+    from scipy.stats import binom
+
+    if mse is not None:
+        vals = np.asarray(y_values.cpu() if torch.is_tensor(y_values) else y_values, dtype=np.float64).ravel()
+        baseline = float(vals.var())
+        return float(not np.isfinite(mse) or mse >= (1 - MSE_CHANCE_MARGIN) * baseline)
+    out = 0.0
+    if loss_is_cross_entropy and train_loss is not None:
+        if not np.isfinite(train_loss) or train_loss >= (1 - LOSS_CHANCE_MARGIN) * float(np.log(num_classes)):
+            out = 1.0
+    if acc_clean is not None and n_test:
+        if not np.isfinite(acc_clean):
+            return 1.0
+        p0 = chance_accuracy(y, num_classes)
+        correct = int(round(float(acc_clean) * n_test))
+        p_value = float(binom.sf(correct - 1, n_test, p0))  # P(C >= correct) under chance
+        if p_value > CHANCE_TEST_LEVEL:
+            out = 1.0
     return out
 
 

@@ -201,6 +201,7 @@ class SweepSpec(_Section):
     _raw: dict | None = PrivateAttr(None)
     _spaces: tuple[TrainableSpace, ...] | None = PrivateAttr(None)
     _trials: list[dict] | None = PrivateAttr(None)
+    _warnings: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -234,6 +235,12 @@ class SweepSpec(_Section):
         if self._spaces is None:
             self._spaces = _build_spaces(self)
         return self._spaces
+
+    @property
+    def warnings(self) -> list[str]:
+        """One-line warnings of validation (the spec runs, but a rule of thumb is broken, e.g. the
+        delta rule): the CLI prints them at validate and run."""
+        return list(self._warnings)
 
     @property
     def num_trials(self) -> int:
@@ -428,17 +435,101 @@ def _trials(spec: SweepSpec) -> list[dict]:
     return spec._trials
 
 
+def _space_configs(spec: SweepSpec) -> list[tuple[TrainableSpace, list[dict]]]:
+    """Each trainable's space with its trial configs (grid/random) or probe configs (Optuna)."""
+    if spec.search.algorithm == "optuna":
+        return [(sp, sp.probes()) for sp in spec.spaces]
+    trials = _trials(spec)
+    return [(sp, [c for c in trials if c["trainable"] == sp.name]) for sp in spec.spaces]
+
+
 def _check_metrics(spec: SweepSpec) -> None:
-    """search.metric and each objective must be reported by every trial (or, for Optuna, by
-    every probe config of the space)."""
+    """search.metric, each objective and a scheduler's metric outside the per-epoch ones must be
+    reported by every trial (or, for Optuna, by every probe config of the space)."""
     s = spec.search
     wanted = [("search.metric", s.metric)] if s.metric else []
     wanted += [(f"search.objectives[{j}].metric", o.metric) for j, o in enumerate(s.objectives)]
+    sch = spec.scheduler
+    if sch.type != "none" and sch.metric and sch.metric not in PER_EPOCH_METRICS:
+        wanted.append(("scheduler.metric", sch.metric))
     if not wanted:
         return
-    configs = _trials(spec) if s.algorithm != "optuna" else [c for sp in spec.spaces for c in sp.probes()]
+    configs = [c for _, cs in _space_configs(spec) for c in cs]
     for path, metric in wanted:
         check_metric(metric, path, configs)
+
+
+def _check_certify_images(spec: SweepSpec) -> None:
+    """``certify_images`` written in a spec (a trainable's search, or common) where no trial of
+    that trainable runs a certifier is refused: it would be ignored. A trainable runs one when
+    its schema ``certifier_uses(certifier)`` (its own certificate, or randomized smoothing).
+    ``certify_images`` in common is refused only when it reaches no trainable that certifies
+    (a spec comparing PixelDP with DP-SGD sets it once for PixelDP); 0 and the default are silent."""
+    common_reaches_a_certifier = False
+    common_given = "certify_images" in spec.common
+    for space, configs in _space_configs(spec):
+        model = space.model
+        certifying = any(model.certifier_uses(c.get("certifier", "default")) for c in configs)
+        asked = any((c.get("certify_images") or 0) > 0 for c in configs)
+        dim = next((d for d in space.dims if d.key == "certify_images"), None)
+        if dim is not None:
+            if asked and not certifying:
+                certifier = configs[0].get("certifier", "default") if configs else "default"
+                raise SpecError(f"{dim.path}: trainable {space.name!r} runs no certifier with certifier "
+                                f"{certifier!r} ({_no_certifier_reason(model)}); certify_images would be ignored, "
+                                f"remove it")
+        elif common_given and certifying:
+            common_reaches_a_certifier = True
+    if common_given and (spec.common.get("certify_images") or 0) > 0 and not common_reaches_a_certifier:
+        without = [sp for sp in spec.spaces if not any(d.key == "certify_images" for d in sp.dims)]
+        if without:
+            names = ", ".join(dict.fromkeys(repr(sp.name) for sp in without))
+            raise SpecError(f"common.certify_images: no trial of {names} runs a certifier "
+                            f"({_no_certifier_reason(without[0].model)}); certify_images would be ignored, remove it")
+
+
+def _no_certifier_reason(model) -> str:
+    if model.has_certificate:
+        return "its own certificate is off"
+    return "it has no certificate of its own; certifier: smoothing needs a model with Gaussian input noise"
+
+
+def _planned_train_size(config: dict) -> int:
+    """N of the delta rule: the planned training-set size (train_size, or the full split) plus the
+    audit canaries (at most that many join the training set)."""
+    n = config.get("train_size")
+    if n is None:
+        from dpmech.dpsgd import FULL_TRAIN_SIZES
+
+        n = FULL_TRAIN_SIZES[config.get("dataset", "mnist")]
+    return int(n) + int(config.get("audit_canaries") or 0)
+
+
+def _delta_warnings(spec: SweepSpec) -> list[str]:
+    """The delta rule for guarantees about the training data: delta >= 1/N (N the planned
+    training-set size) gets a warning (such a guarantee allows a mechanism that publishes one
+    training example outright). delta > 0.1 is refused by the schemas (``privacy_delta_key``).
+    PixelDP's delta (and SecureSGD's robustness_delta) are robustness parameters: not covered."""
+    out: list[str] = []
+    for space, configs in _space_configs(spec):
+        key = space.model.privacy_delta_key
+        if key is None:
+            continue
+        dim = next((d for d in space.dims if d.key == key), None)
+        where = dim.path if dim is not None else (f"common.{key}" if key in spec.common else
+                                                  f"{space.path} (default {key})")
+        seen = set()
+        for c in configs:
+            if c.get("epsilon", 1.0) is None:  # a non-private baseline: no guarantee
+                continue
+            delta, n = c.get(key), _planned_train_size(c)
+            if delta is None or delta < 1.0 / n or (delta, n) in seen:
+                continue
+            seen.add((delta, n))
+            out.append(f"{where}: delta {delta:g} >= 1/N = {1.0 / n:.3g} (N = {n} planned training examples of "
+                       f"{space.name!r}): an (epsilon, delta) guarantee with delta >= 1/N allows releasing a training "
+                       f"example outright; choose delta < 1/N")
+    return out
 
 
 def reference_matches(where: dict, config: dict) -> bool:
@@ -523,7 +614,9 @@ def validate_spec(raw: dict) -> SweepSpec:
     else:
         _trials(spec)
     _check_metrics(spec)
+    _check_certify_images(spec)
     _check_reference(spec)
+    spec._warnings = _delta_warnings(spec)
     spec._raw = copy.deepcopy(raw)
     return spec
 

@@ -38,7 +38,7 @@ RANGES = ("uniform", "loguniform")
 MAX_TRIALS = 10_000
 
 # Final metrics every trial reports (docs/metrics.md), and those of one mechanism only.
-GENERIC_METRICS = ("acc_clean", "epsilon", "delta", "compute_seconds")
+GENERIC_METRICS = ("acc_clean", "epsilon", "delta", "compute_seconds", "not_learned")
 _LEDGER = ("epsilon_pld", "noise_multiplier", "sampling_rate", "steps")
 MECHANISM_METRICS = {
     "pixeldp": ("robustness_epsilon", "robustness_epsilon_config", "robustness_delta", "attack_bound", "noise_scale",
@@ -184,9 +184,11 @@ def _literal_options(field: FieldInfo) -> tuple | None:
 
 
 def _takes_bool(field: FieldInfo) -> bool:
+    """The key takes a boolean: a bool, or a literal with a boolean or the word "true" (YAML reads
+    ``attack_labels: true`` as True; the schema takes it as "true")."""
     members = union_members(field.annotation)
     return bool in members or Any in members or any(
-        isinstance(o, bool) for o in (_literal_options(field) or ()))
+        isinstance(o, bool) or o == "true" for o in (_literal_options(field) or ()))
 
 
 def _is_scalar(value) -> bool:
@@ -538,10 +540,14 @@ def reported_metrics(name: str, config: dict) -> set[str]:
     for attack, sizes in (config.get("attacks") or {}).items():
         out |= {f"acc_{attack}_{format_size(s)}" for s in sizes}
     certifier = config.get("certifier") or "default"
+    model = getattr(REGISTRY.get(name), "config_model", None)
+    own_certificate = bool(getattr(model, "has_certificate", False))
     if (config.get("certify_images") or 0) > 0:
-        if certifier in ("default", "both"):
+        if certifier in ("default", "both") and own_certificate:
             out.add("acc_clean_expected")
             out |= {f"cert_acc_{format_size(s)}" for s in config.get("certify_sizes") or ()}
+        # smoothing runs only where the schema lets it (smoothing_unavailable, e.g. dpsgd without
+        # noise_augmentation_sigma), so a config that validated with it reports its metrics
         if certifier in ("smoothing", "both"):
             out |= {"smooth_acc_clean", "smooth_abstain_rate", "smooth_cert_abstain_rate"}
             out |= {f"smooth_cert_acc_{format_size(s)}" for s in config.get("certify_sizes") or ()}
@@ -574,7 +580,12 @@ def check_metric(metric: str, path: str, configs: Iterable[dict]) -> None:
         else:
             hint = did_you_mean(metric, names)
             if metric.startswith("cert_acc_"):
-                hint += "; cert_acc_<size> needs the size in certify_sizes and certify_images > 0"
+                model = getattr(REGISTRY.get(cfg["trainable"]), "config_model", None)
+                if not getattr(model, "has_certificate", False):
+                    hint += (f"; {cfg['trainable']!r} has no certificate of its own (cert_acc_<size>); "
+                             f"randomized smoothing reports smooth_cert_acc_<size> (certifier: smoothing)")
+                else:
+                    hint += "; cert_acc_<size> needs the size in certify_sizes and certify_images > 0"
             elif metric.startswith("acc_"):
                 hint += "; acc_<attack>_<size> needs that attack and size in attacks"
         raise SpecError(f"{path}: {metric!r} is not reported by every trial of {cfg['trainable']!r}{hint} "

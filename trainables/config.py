@@ -29,6 +29,10 @@ class CommonConfig(BaseModel):
         default_factory=dict, description="attack name -> sizes in the [-1, 1] domain, e.g. {pgd: [0.1, 0.2]}")
     attack_norm: Literal["linf", "l2"] = Field("l2", description="norm of the attack ball")
     attack_steps: int = Field(10, gt=0, description="iterations of ifgsm, mim and pgd")
+    attack_labels: Literal["true", "predicted"] = Field(
+        "true", description="labels the attacks maximise the loss of: true (the test labels, robust accuracy as the "
+        "literature reports it) or predicted (the model's own clean predictions, the DPAL paper's choice against "
+        "label leaking); accuracy is always measured against the true labels (docs/metrics.md)")
     eot_samples: int = Field(1, gt=0, description="noise draws averaged per attack gradient (randomized models)")
     n_predict: int = Field(1, gt=0, description="noise draws averaged per prediction in accuracy metrics")
     certify_n: int = Field(1000, gt=0, description="Monte Carlo noise draws per certified image")
@@ -48,6 +52,43 @@ class CommonConfig(BaseModel):
 
     # True for mechanisms whose epsilon protects training examples (the privacy audit applies)
     protects_training_examples: ClassVar[bool] = False
+    # True for mechanisms with a certificate of their own (certifier default: cert_acc_<size>)
+    has_certificate: ClassVar[bool] = False
+    # True when the per-epoch train_loss is the mean cross-entropy of the classifier on the true
+    # training labels, so that a loss near ln K means the model predicts uniformly (not_learned)
+    loss_is_cross_entropy: ClassVar[bool] = False
+    # Name of the delta key of a guarantee for the training data (the delta rules), or None
+    privacy_delta_key: ClassVar[str | None] = None
+    # The largest delta accepted for such a guarantee (above it the guarantee says little)
+    MAX_PRIVACY_DELTA: ClassVar[float] = 0.1
+
+    @field_validator("attack_labels", mode="before")
+    @classmethod
+    def _yaml_true(cls, value):
+        """YAML reads ``attack_labels: true`` as the boolean True: take it as "true"."""
+        if value is True:
+            return "true"
+        if value is False:
+            raise ValueError("must be 'true' or 'predicted'; got False")
+        return value
+
+    @field_validator("delta", check_fields=False)
+    @classmethod
+    def _privacy_delta(cls, value, info):
+        """delta > 0.1 is refused for a guarantee about the training data (``privacy_delta_key``;
+        not for PixelDP's robustness delta, nor for a non-private baseline, epsilon null)."""
+        private = info.data.get("epsilon", 1.0) is not None
+        if cls.privacy_delta_key == "delta" and private and value is not None and value > cls.MAX_PRIVACY_DELTA:
+            raise ValueError(f"must be <= {cls.MAX_PRIVACY_DELTA:g} for a guarantee about the training data (delta "
+                             f"bounds the probability that the epsilon guarantee fails), got {value:g}")
+        return value
+
+    @classmethod
+    def certifier_uses(cls, certifier: str) -> bool:
+        """Whether a certifier runs with this ``certifier`` value (so that ``certify_images``
+        matters): the mechanism's own (``has_certificate`` and default/both) or randomized
+        smoothing (smoothing/both; ``smoothing_unavailable`` refuses it where it cannot run)."""
+        return (cls.has_certificate and certifier in ("default", "both")) or certifier in ("smoothing", "both")
 
     @model_validator(mode="after")
     def _audit_applies(self):
@@ -107,6 +148,11 @@ class CommonConfig(BaseModel):
 class PixelDPTrialConfig(CommonConfig):
     """PixelDP (Lecuyer et al. 2018): a noise layer calibrated to (epsilon, delta, L)."""
 
+    # epsilon/delta are robustness parameters of the noise layer, not a training-data guarantee:
+    # privacy_delta_key stays None, the delta rules do not apply
+    has_certificate: ClassVar[bool] = True
+    loss_is_cross_entropy: ClassVar[bool] = True
+
     epsilon: float = Field(1.0, gt=0, allow_inf_nan=False, description="PixelDP epsilon of the noise layer")
     delta: float = Field(0.05, gt=0, lt=1, description="PixelDP delta (l2 / Gaussian only)")
     attack_bound: float = Field(0.1, gt=0, allow_inf_nan=False, description="construction attack bound L ([-1, 1] domain)")
@@ -131,6 +177,8 @@ class PixelDPTrialConfig(CommonConfig):
 
 class DPALTrialConfig(CommonConfig):
     """DPAL (docs/dpal.md): DP adversarial learning with the composition robustness bound."""
+
+    has_certificate: ClassVar[bool] = True  # verified inference
 
     eps_t: float = Field(1.0, gt=0, allow_inf_nan=False, description="total privacy budget of Theorem 4 (eps_1 + eps_1/gamma_x + eps_1/gamma + eps_2)")
     psi: float = Field(2.0, gt=0, allow_inf_nan=False, description="inference noise scale-down of Appendix L (MNIST 2, CIFAR-10 10)")

@@ -35,7 +35,8 @@ class DPALMechanism(TrainerMechanism):
         return {k: float(v) for k, v in self.trainer.privacy().items()}
 
     def conventional_accuracy(self, x, y, cfg: DPALTrialConfig) -> dict[str, float]:
-        """Section 4's conventional accuracy, clean and under each configured l-inf attack."""
+        """Section 4's conventional accuracy, clean and under each configured l-inf attack (labels of
+        the attacks: ``attack_labels``)."""
         clean = verified_inference(self.trainer, x, y, n=cfg.n_predict, seed=cfg.seed)
         out = {"acc_clean": clean.accuracy()}
         for name, sizes in cfg.attacks.items():
@@ -44,7 +45,8 @@ class DPALMechanism(TrainerMechanism):
                     out[metric_name(name, size)] = out["acc_clean"]
                     continue
                 out[metric_name(name, size)] = conventional_accuracy_under_attack(
-                    self.trainer, x, y, name, size, steps=cfg.attack_steps, n=cfg.n_predict, seed=cfg.seed)
+                    self.trainer, x, y, name, size, steps=cfg.attack_steps, n=cfg.n_predict, seed=cfg.seed,
+                    attack_labels=cfg.attack_labels)
         return out
 
     def certify(self, x, y, cfg: DPALTrialConfig):

@@ -48,6 +48,7 @@ class DPGANTrialConfig(CommonConfig):
     certify_images: int = Field(0, ge=0, le=0, description="DPGAN certifies nothing (must be 0)")
 
     protects_training_examples: ClassVar[bool] = True
+    privacy_delta_key: ClassVar[str | None] = "delta"
 
     @model_validator(mode="after")
     def _dpgan_rules(self):

@@ -50,6 +50,8 @@ class DPSGDTrialConfig(CommonConfig):
     accountant: Literal["rdp", "pld"] = Field("rdp", description="accountant used to calibrate the noise (both are reported)")
 
     protects_training_examples: ClassVar[bool] = True
+    loss_is_cross_entropy: ClassVar[bool] = True
+    privacy_delta_key: ClassVar[str | None] = "delta"
 
     @model_validator(mode="after")
     def _mechanism_rules(self):
@@ -57,6 +59,12 @@ class DPSGDTrialConfig(CommonConfig):
             raise ValueError(f"batch_size must be <= train_size ({self.train_size}): the sampling rate "
                              f"batch_size / train_size is a probability, got {self.batch_size}")
         return self
+
+    def smoothing_unavailable(self) -> str | None:
+        if self.noise_augmentation_sigma == 0:
+            return ("the DP-SGD model is a randomized-smoothing base classifier only when trained with Gaussian "
+                    "noise on its inputs (set noise_augmentation_sigma > 0)")
+        return None
 
 
 def planned_train_size(cfg: DPSGDTrialConfig) -> int:

@@ -88,7 +88,7 @@ class LabelDPMechanism(TrainerMechanism):
 
         return conventional_accuracy(self.model, x, y, attacks=cfg.attacks, norm=cfg.attack_norm,
                                      n_predict=cfg.n_predict, eot_samples=cfg.eot_samples, steps=cfg.attack_steps,
-                                     seed=cfg.seed)
+                                     seed=cfg.seed, attack_labels=cfg.attack_labels)
 
     def certify(self, x, y, cfg):
         return None  # label DP gives no robustness certificate

@@ -177,7 +177,8 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
                 tune.report({**metrics, "epoch": epoch}, checkpoint=tune.Checkpoint.from_directory(tmp))
 
         t0 = time.perf_counter()
-        final = evaluate(mech, cfg, xt, yt)
+        last_loss = meta["history"][-1].get("train_loss") if meta["history"] else None
+        final = evaluate(mech, cfg, xt, yt, train_loss=last_loss)
         if canaries is not None:
             final["metrics"].update(run_audit(mech, canaries, cfg, final["metrics"].get("delta", 0.0)))
         # time spent training and evaluating, without logging and checkpointing (all attempts)
@@ -232,23 +233,34 @@ def evaluate_smoothing(mech: Mechanism, cfg: CommonConfig, x: torch.Tensor, y: t
     return result, smoothing.smoothing_metrics(result, cfg.certify_sizes)
 
 
-def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Tensor) -> dict:
-    """Conventional accuracy (clean and each attack at each size), then certification.
+def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Tensor, *,
+             train_loss: float | None = None) -> dict:
+    """Conventional accuracy (clean and each attack at each size), the did-not-learn flag, then
+    certification.
 
     A mechanism whose predictions are not its model's plain forward pass (DPAL's verified
     inference) provides ``conventional_accuracy(x, y, cfg)``; the others use
-    ``dpmech.evaluation.conventional_accuracy`` on ``mech.model``. ``cfg.certifier`` selects the
-    mechanism's own certifier (``final["certification"]``, ``cert_acc_<size>``), randomized
-    smoothing (``final["smoothing"]``, ``smooth_*`` metrics) or both.
+    ``dpmech.evaluation.conventional_accuracy`` on ``mech.model``. Both attack the labels
+    ``cfg.attack_labels`` names (true by default). ``not_learned`` (docs/metrics.md) comes from
+    ``acc_clean`` (or ``mse``) and ``train_loss``, the last epoch's training loss. ``cfg.certifier``
+    selects the mechanism's own certifier (``final["certification"]``, ``cert_acc_<size>``),
+    randomized smoothing (``final["smoothing"]``, ``smooth_*`` metrics) or both.
     """
-    from dpmech.evaluation import certified_accuracy_curve, conventional_accuracy
+    from dpmech.data import num_classes
+    from dpmech.evaluation import certified_accuracy_curve, conventional_accuracy, did_not_learn
 
     if hasattr(mech, "conventional_accuracy"):
         metrics = mech.conventional_accuracy(xt, yt, cfg)
     else:
         metrics = conventional_accuracy(
             mech.model, xt, yt, attacks=cfg.attacks, norm=cfg.attack_norm, n_predict=cfg.n_predict,
-            eot_samples=cfg.eot_samples, steps=cfg.attack_steps, seed=cfg.seed)
+            eot_samples=cfg.eot_samples, steps=cfg.attack_steps, seed=cfg.seed, attack_labels=cfg.attack_labels)
+    if "mse" in metrics:  # regression (label_dp task regression): the MSE rule
+        metrics["not_learned"] = did_not_learn(num_classes=num_classes(cfg.dataset), mse=metrics["mse"], y_values=yt)
+    else:
+        metrics["not_learned"] = did_not_learn(
+            num_classes=num_classes(cfg.dataset), acc_clean=metrics.get("acc_clean"), n_test=int(xt.shape[0]), y=yt,
+            train_loss=train_loss, loss_is_cross_entropy=type(cfg).loss_is_cross_entropy)
     result = smooth = None
     if cfg.certify_images > 0:
         k = min(cfg.certify_images, xt.shape[0])

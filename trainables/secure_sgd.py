@@ -53,7 +53,15 @@ class SecureSGDTrialConfig(CommonConfig):
         True, description="certify with the measured whitened pre-noise sensitivity (False: the construction bound)")
 
     protects_training_examples: ClassVar[bool] = True
+    has_certificate: ClassVar[bool] = True  # the PixelDP test on the noise layer
+    loss_is_cross_entropy: ClassVar[bool] = True
+    privacy_delta_key: ClassVar[str | None] = "delta"  # robustness_delta is a robustness parameter
     mechanism: ClassVar[str] = "hgm"
+
+    def smoothing_unavailable(self) -> str | None:
+        if self.noise_after != 0:
+            return "randomized smoothing needs the noise on the input (set noise_after: 0)"
+        return None
 
     @model_validator(mode="after")
     def _mechanism_rules(self):
@@ -126,7 +134,7 @@ def _mechanism_class():
                 sens = whitened_sensitivity(self.model)
             else:
                 sens = 1.0 / float(self.model.noise.r.min()) ** 0.5
-            return certify(self.model, x, y, n=cfg.certify_n, eta=cfg.certify_eta, bounds=cfg.certify_bounds,
+            return certify(self.model, x, y, n=cfg.certify_n, alpha=1.0 - cfg.certify_eta, bounds=cfg.certify_bounds,
                            sensitivity=sens, calibration=cfg.certify_calibration)
 
         def smoothing_classifier(self):

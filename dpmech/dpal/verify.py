@@ -139,7 +139,7 @@ def verify_model(model, noise: TrainingNoise, x: torch.Tensor, y, *, psi: float,
     gen = torch.Generator(device=device).manual_seed(seed)
     scorer = PsiNoisyScorer(model, noise, psi, gen, fresh=True)
     est = monte_carlo(scorer, x, n, batch_size=batch_size, progress=progress)
-    lower, upper = _BOUND_FNS[bounds](est, eta)
+    lower, upper = _BOUND_FNS[bounds](est, alpha=1.0 - eta)  # dpmech.certify's convention: alpha = 1 - eta
     scores = est.counts if bounds == "argmax" else est.mean
     k, lb, ub = top_and_runner_up(lower, upper, scores)
     sens_x = model.input_sensitivity(norm)
@@ -166,14 +166,17 @@ def verified_inference(trainer, x: torch.Tensor, y, *, n: int | None = None, eta
 
 def conventional_accuracy_under_attack(trainer, x: torch.Tensor, y: torch.Tensor, attack_name: str, mu_a: float,
                                        *, steps: int = 10, n: int = 100, seed: int = 0,
-                                       batch_size: int = 500) -> float:
+                                       batch_size: int = 500, attack_labels: str = "true") -> float:
     """Section 4's conventional accuracy on adversarial examples: the attack (its own l_inf(mu_a) ball
-    around the clean x, clamped to [-1, 1], labels = the model's predictions) targets the deterministic
-    centre f(x + chi_1/m) with h + 2 chi_2/m; the verified prediction (argmax of n psi-noisy draws)
-    is compared with the true label."""
+    around the clean x, clamped to [-1, 1]) targets the deterministic centre f(x + chi_1/m) with
+    h + 2 chi_2/m; the verified prediction (argmax of n psi-noisy draws) is compared with the true
+    label. ``attack_labels``: "true" (the attack maximises the loss of the true label ``y``) or
+    "predicted" (of the centre's own prediction, the paper's choice against label leaking)."""
     from dpmech.attacks import attack
 
     mu_a = v.positive("mu_a", mu_a)
+    attack_labels = v.choice("attack_labels", attack_labels, ("true", "predicted"))
+    y_all = torch.as_tensor(np.asarray(y.cpu() if torch.is_tensor(y) else y), dtype=torch.long)
     centre = trainer.scorer(fresh=False)
     gen = torch.Generator(device=trainer.device).manual_seed(seed)
     advs = []
@@ -184,7 +187,8 @@ def conventional_accuracy_under_attack(trainer, x: torch.Tensor, y: torch.Tensor
             kw["steps"] = steps
         if attack_name in ("pgd", "madry", "madryetal"):
             kw["generator"] = gen
-        advs.append(attack(attack_name, centre, xb, None, **kw).cpu())
+        yb = y_all[s:s + batch_size].to(trainer.device) if attack_labels == "true" else None
+        advs.append(attack(attack_name, centre, xb, yb, **kw).cpu())
     x_adv = torch.cat(advs)
     res = verified_inference(trainer, x_adv, y, n=n, seed=seed + 1)
     return res.accuracy()
