@@ -67,7 +67,7 @@ def test_score_bounds_cover_all_classes_jointly(bound_fn):
         return e / e.sum(-1, keepdims=True)
     truth = draw((400_000,)).mean(axis=0)
     est = _estimate_from_scores(draw((2000, n)))
-    lo, hi = bound_fn(est, eta)
+    lo, hi = bound_fn(est, alpha=1 - eta)
     miss = np.mean(((truth < lo) | (truth > hi)).any(axis=1))
     assert miss <= (1 - eta) + 3 * math.sqrt(0.1 * 0.9 / 2000)
     # the intervals are informative (not the trivial [0, 1])
@@ -144,14 +144,14 @@ def test_certified_size_never_exceeds_the_true_radius_of_a_linear_classifier():
     margin = (x @ w + 0.1)
     base_pred = (margin <= 0).long()  # class 0 when w.x + b > 0
     radius = (margin.abs() / w.norm()).numpy()
-    res = certify(model, x, base_pred, n=1000, eta=0.95, bounds="argmax")
+    res = certify(model, x, base_pred, n=1000, alpha=0.05, bounds="argmax")
     agree = res.prediction == base_pred.numpy()
     assert agree.mean() > 0.95
     assert (res.certified_size > 0).mean() > 0.3  # the test is not vacuous
     assert np.all(res.certified_size[agree] <= radius[agree] + 1e-9)
     # negative control: claiming a 10x smaller pre-noise sensitivity than the truth certifies
     # sizes beyond the true radius, which this test catches.
-    bad = certify(model, x, base_pred, n=1000, eta=0.95, bounds="argmax", sensitivity=0.1)
+    bad = certify(model, x, base_pred, n=1000, alpha=0.05, bounds="argmax", sensitivity=0.1)
     assert np.any(bad.certified_size[agree] > radius[agree])
 
 
@@ -174,8 +174,8 @@ def test_certify_validates_input():
     y = torch.zeros(3, dtype=torch.long)
     with pytest.raises(ValueError, match="n must"):
         certify(model, x, y, n=0)
-    with pytest.raises(ValueError, match="eta"):
-        certify(model, x, y, eta=1.5)
+    with pytest.raises(ValueError, match="alpha"):
+        certify(model, x, y, alpha=1.5)
     with pytest.raises(ValueError, match="bounds"):
         certify(model, x, y, bounds="wald")
     with pytest.raises(ValueError, match="y must"):

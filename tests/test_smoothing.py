@@ -195,8 +195,8 @@ def test_smoothing_certifies_at_least_the_pixeldp_bound_for_the_same_budget():
     x = torch.rand(300, w.numel(), generator=gen) * 2 - 1
     y = ((x @ w + b) <= 0).long()
     dist = ((x @ w + b).abs() / w.norm()).numpy()
-    budget, alpha = 2000, 0.05  # the same failure probability: eta = 1 - alpha
-    pdp = pixeldp_certify(LinearPixelDP(model, SIGMA), x, y, n=budget, eta=1 - alpha, bounds="argmax")
+    budget, alpha = 2000, 0.05  # the same failure probability alpha
+    pdp = pixeldp_certify(LinearPixelDP(model, SIGMA), x, y, n=budget, alpha=alpha, bounds="argmax")
     sm = smoothing.certify(model, SIGMA, x, y, n0=100, n=budget - 100, alpha=alpha, generator=gen)
     both = (pdp.certified_size > 0) & (sm.radius > 0)
     assert both.sum() > 100
@@ -254,7 +254,7 @@ def test_smoothing_on_the_pixeldp_cnn_certifies_at_least_its_bound(pixeldp_input
     mech, _, (xt, yt) = pixeldp_input_noise
     base, sigma = mech.smoothing_classifier()
     x, y = xt[:12], yt[:12]
-    pdp = pixeldp_certify(mech.model, x, y, n=300, eta=0.95)
+    pdp = pixeldp_certify(mech.model, x, y, n=300, alpha=0.05)
     sm = smoothing.certify(base, sigma, x, y, n0=20, n=280, alpha=0.05, generator=torch.Generator().manual_seed(11))
     both = (pdp.certified_size > 0) & (sm.radius > 0)
     assert both.sum() >= 4

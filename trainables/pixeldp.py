@@ -56,7 +56,7 @@ class PixelDPMechanism(TrainerMechanism):
 
     def certify(self, x, y, cfg):
         sensitivity = None if cfg.certify_exact_sensitivity else self.model.sensitivity_bound()
-        return certify(self.model, x, y, n=cfg.certify_n, eta=cfg.certify_eta, bounds=cfg.certify_bounds,
+        return certify(self.model, x, y, n=cfg.certify_n, alpha=1.0 - cfg.certify_eta, bounds=cfg.certify_bounds,
                        sensitivity=sensitivity, calibration=cfg.certify_calibration)
 
     def smoothing_classifier(self):
