@@ -226,3 +226,47 @@ def test_did_not_learn_rules():
     assert did_not_learn(num_classes=10, mse=8.0, y_values=t) == 1.0
     assert did_not_learn(num_classes=10, mse=7.7, y_values=t) == 0.0
     assert did_not_learn(num_classes=10, mse=float("inf"), y_values=t) == 1.0
+
+
+def test_run_trial_flags_a_trial_whose_last_epoch_loss_sat_at_ln_k(models, monkeypatch):
+    """run_trial hands the last epoch's train_loss to evaluate(): a trained network (accuracy far
+    above chance) whose reported cross-entropy stayed at ln K is flagged, one whose loss fell is not.
+    Ray's tune calls are replaced by recorders (no cluster)."""
+    from ray import tune
+
+    from trainables.dpsgd import DPSGDTrialConfig
+    from trainables.runtime import run_trial
+
+    class Fake:
+        losses: list[float] = []
+
+        def __init__(self, cfg, x, y, device):
+            self.model, self.epoch = models["trained"], 0
+
+        def train_epoch(self):
+            self.epoch += 1
+            return {"train_loss": self.losses[self.epoch - 1]}
+
+        def test_accuracy(self, x, y):
+            return 0.0
+
+        def state_dict(self):
+            return {}
+
+        def certify(self, x, y, cfg):
+            return None
+
+        def privacy(self):
+            return {}
+
+    reports = []
+    monkeypatch.setattr(tune, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(tune, "get_context", lambda: None)
+    monkeypatch.setattr(tune, "report", lambda metrics, checkpoint=None: reports.append(metrics))
+    config = {"epochs": 2, "train_size": 256, "test_size": 300, "batch_size": 64, "certify_images": 0}
+    for losses, flag in (([2.30, 2.29], 1.0), ([2.30, 0.50], 0.0), ([0.5, 2.25], 1.0)):
+        Fake.losses, reports[:] = losses, []
+        run_trial(config, DPSGDTrialConfig, Fake, "dpsgd")
+        final = reports[-1]
+        assert final["evaluated"] == 1.0 and final["acc_clean"] > 0.7
+        assert final["not_learned"] == flag, (losses, final)
