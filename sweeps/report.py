@@ -1,20 +1,30 @@
 """``dpsweep report``: the trade-offs of a sweep, read back from MLflow, on one summary page.
 
+Repeats of a configuration (``search.num_samples``: trials that differ only in ``seed`` and
+``repeat``) are grouped by their configured parameters and shown as mean ± standard deviation
+with n in every table, and with error bars (bands for curves) in every figure.
+
 Writes to ``--out`` and logs to the sweep's parent run under ``report/``:
 
-* ``report.md``: the summary page — the privacy of the sweep (per-trial epsilon, and either the
-  end-to-end epsilon of a ``tuning_privacy`` sweep with the released trial, or a plain statement
-  that the selection among trials is not covered), empirical audits beside the claimed epsilon,
-  the trials table, certified accuracy at the asked sizes, and every figure below;
-* ``trials.csv`` (every trial's parameters and final metrics) and ``certified_accuracy.csv``
-  (certified accuracy at ``--sizes``, computed from the per-example tables);
-* ``pareto_accuracy.png`` / ``pareto_certified.png``: epsilon against conventional and certified
-  accuracy, per mechanism, with each mechanism's Pareto front;
+* ``report.md``: the summary page — the privacy of the sweep (per-trial privacy epsilon, and
+  either the end-to-end epsilon of a ``tuning_privacy`` sweep with the released trial, or a plain
+  statement that the selection among trials is not covered), empirical audits beside the claimed
+  epsilon, the spec's published values beside the measured ones (its ``reference`` block), the
+  trials table per configuration, certified accuracy at the asked sizes, and every figure below;
+* ``trials.csv`` (every trial's parameters and final metrics), ``trials_aggregated.csv`` (per
+  configuration: ``<metric>``, ``<metric>.sd``, ``<metric>.n``, ``n``) and
+  ``certified_accuracy.csv`` (certified accuracy at ``--sizes``, from the per-example tables);
+* ``pareto_accuracy.png`` / ``pareto_certified.png``: privacy epsilon against conventional and
+  certified accuracy, per mechanism, with each mechanism's Pareto front (privacy epsilons only);
+  ``robustness_accuracy.png`` / ``robustness_certified.png``: the same against the configured
+  robustness epsilon of robustness mechanisms (PixelDP);
 * ``cert_acc_vs_size.png`` (and ``smooth_cert_acc_vs_size.png``): certified accuracy against the
-  attack size from the per-example tables, one curve per trial;
+  attack size from the per-example tables, one curve per configuration;
 * the layouts of the DPAL paper's figures when the sweep has their data: ``fig2_accuracy_vs_epsilon.png``,
   ``fig4_accuracy_vs_attack_size.png``, ``fig6_certified_vs_attack_size.png``;
 * mechanism-specific figures (label DP's accuracy and MSE against epsilon).
+
+Published values (the spec's ``reference`` block) are black stars on the figures they belong to.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import math
 from pathlib import Path
 
 from sweeps import report_plots as rp
-from sweeps.report_data import Sweep, load_sweep, load_tables
+from sweeps.report_data import Sweep, aggregate, finished, fmt_stat, load_sweep, load_tables, reference_rows, with_groups
 from trainables.tracking import retry
 
 DEFAULT_SIZES = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
@@ -48,14 +58,55 @@ def _md_table(rows: list[dict], cols: list[str] | None = None) -> list[str]:
     return out
 
 
-def _summary_columns(trials) -> list[str]:
-    """The trials table of the summary page: identity, the swept parameters, the headline metrics."""
-    swept = [c for c in trials.columns if c.startswith("param.") and c != "param.trainable"
-             and trials[c].astype(str).nunique() > 1]
-    metrics = [c for c in trials.columns if c in ("epsilon", "delta", "epsilon_lower_bound", "acc_clean")
-               or c.startswith(("acc_", "cert_acc_", "smooth_cert_acc_")) and c != "acc_clean_expected"]
-    metrics.sort(key=lambda c: (c not in ("epsilon", "delta", "epsilon_lower_bound"), c != "acc_clean", c))
-    return ["run", "trainable", "status", *swept, *metrics]
+def _headline_metrics(trials) -> list[str]:
+    """The headline metrics of the summary page: privacy, robustness parameters, accuracies."""
+    first = ("epsilon", "delta", "epsilon_lower_bound", "robustness_epsilon_config", "robustness_epsilon")
+    metrics = [c for c in trials.columns if c in first or c == "acc_clean"
+               or str(c).startswith(("acc_", "cert_acc_", "smooth_cert_acc_")) and c != "acc_clean_expected"]
+    metrics.sort(key=lambda c: (c not in first, first.index(c) if c in first else 0, c != "acc_clean", c))
+    return metrics
+
+
+def aggregated_rows(trials) -> tuple[list[dict], list[str]]:
+    """The summary page's trials table: one row per configuration (repeats that differ only in
+    seed/repeat aggregated), its varying configured parameters, n, and each headline metric as
+    mean ± sd (with (k) when only k of the n trials have it). A configuration some repeat of which
+    did not learn is flagged ``!`` (``not_learned``)."""
+    agg = aggregate(trials)
+    if agg.empty:
+        return [], []
+    fin = finished(with_groups(trials))
+    swept = [c for c in agg.columns if str(c).startswith("param.") and c != "param.trainable"
+             and agg[c].astype(str).nunique() > 1]
+    metrics = _headline_metrics(fin)
+    rows = []
+    for r in agg.to_dict("records"):
+        row = {"configuration": r["runs"] if r["n"] == 1 else f"{r['n']} repeats: {r['runs']}",
+               "trainable": r["trainable"]}
+        row.update({f"cfg.{c[len('param.'):]}": r[c] for c in swept})  # configured, not measured
+        row["n"] = r["n"]
+        for m in metrics:
+            row[m] = fmt_stat(r.get(m, math.nan), r.get(f"{m}.sd", math.nan), int(r.get(f"{m}.n", 0)), of=r["n"])
+        bad = r.get("not_learned", 0.0) * r.get("not_learned.n", 0)
+        if isinstance(bad, float) and math.isfinite(bad) and bad > 0:
+            row["learned"] = f"! {int(round(bad))}/{r['n']} did not learn"
+        rows.append(row)
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    return rows, cols
+
+
+def _reference_section(sweep: Sweep, refs: list[dict]) -> list[str]:
+    ref = sweep.reference
+    if not ref:
+        return []
+    rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in refs]
+    lines = ["## Published vs measured", "", f"Published: {ref.get('citation', '')}."]
+    if ref.get("note"):
+        lines.append(f"Units: {ref['note']}.")
+    lines += ["", "Measured: mean ± sd over the finished trials each point's configured values match (its repeats), "
+              "n trials; difference = measured mean - published. The published points are the black stars on the "
+              "figures below.", "", *_md_table(rows, ["point", "metric", "published", "measured", "difference"]), ""]
+    return lines
 
 
 def _privacy_section(sweep: Sweep) -> list[str]:
@@ -68,11 +119,17 @@ def _privacy_section(sweep: Sweep) -> list[str]:
     if "trainable" in trials and len(trials):
         from trainables.registry import REGISTRY
 
-        other = sorted(n for n in set(trials["trainable"]) if n in REGISTRY
-                       and not REGISTRY[n].config_model.protects_training_examples)
-        if other:
-            lines.append(f"The epsilon of {', '.join(f'`{n}`' for n in other)} is not a guarantee for the training "
-                         "examples (a robustness parameter, label privacy only, or a paper's own accounting: docs/metrics.md).")
+        names = sorted(n for n in set(trials["trainable"]) if n in REGISTRY)
+        robust = [n for n in names if not REGISTRY[n].privacy_epsilon]
+        other = [n for n in names if REGISTRY[n].privacy_epsilon and not REGISTRY[n].config_model.protects_training_examples]
+        if robust:
+            one = len(robust) == 1
+            lines.append(f"{', '.join(f'`{n}`' for n in robust)} report{'s' if one else ''} no privacy epsilon: "
+                         f"{'its' if one else 'their'} epsilon is a robustness parameter (logged as "
+                         "`robustness_epsilon`, configured `robustness_epsilon_config`), left out of this section "
+                         "and of the epsilon plots (docs/metrics.md).")
+        for n in other:
+            lines.append(f"The epsilon of `{n}` protects {REGISTRY[n].epsilon_protects}.")
     if len(eps) < len(all_eps):
         lines.append(f"{len(all_eps) - len(eps)} trial(s) have no guarantee (epsilon infinite: non-private "
                      "baselines); the epsilon plots leave them out.")
@@ -121,27 +178,44 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, pa
         if ok:
             figures.append((title, fname, caption))
 
-    add(rp.plot_pareto(trials, "acc_clean", out / "pareto_accuracy.png", "conventional accuracy (clean)"),
-        "Epsilon against conventional accuracy", "pareto_accuracy.png",
-        "Every trial a point; the line is each mechanism's Pareto front (no trial has lower epsilon and higher "
-        "accuracy). Note that PixelDP's epsilon is a robustness parameter, not a guarantee for training data.")
+    refs = reference_rows(trials, sweep.reference)
+    agg_rows, agg_cols = aggregated_rows(trials)
+    if agg_rows:
+        _write_csv(out / "trials_aggregated.csv", aggregate(trials).to_dict("records"))
+        files.append(out / "trials_aggregated.csv")
+    repeats = "; each point the mean over a configuration's repeats, error bars one standard deviation"
+    add(rp.plot_pareto(trials, "acc_clean", out / "pareto_accuracy.png", "conventional accuracy (clean)", refs),
+        "Privacy epsilon against conventional accuracy", "pareto_accuracy.png",
+        f"Every configuration a point{repeats}; the line is each mechanism's Pareto front (no configuration has "
+        "lower epsilon and higher accuracy). Privacy epsilons only: robustness mechanisms (PixelDP) are in their "
+        "own figure, against their configured parameter.")
+    add(rp.plot_robustness(trials, "acc_clean", out / "robustness_accuracy.png", "conventional accuracy (clean)",
+                           refs),
+        "Robustness mechanisms: configured robustness epsilon against conventional accuracy",
+        "robustness_accuracy.png", "PixelDP's epsilon is a robustness parameter, not a privacy guarantee" + repeats + ".")
     cert_metric = next((f"cert_acc_{s:.6g}" for s in sizes if f"cert_acc_{s:.6g}" in trials), None)
     if cert_metric:
-        add(rp.plot_pareto(trials, cert_metric, out / "pareto_certified.png", f"certified accuracy ({cert_metric})"),
-            f"Epsilon against certified accuracy ({cert_metric})", "pareto_certified.png")
-    add(rp.plot_certified_curves(sweep, "native", out / "cert_acc_vs_size.png"),
+        add(rp.plot_pareto(trials, cert_metric, out / "pareto_certified.png", f"certified accuracy ({cert_metric})",
+                           refs),
+            f"Privacy epsilon against certified accuracy ({cert_metric})", "pareto_certified.png")
+        add(rp.plot_robustness(trials, cert_metric, out / "robustness_certified.png",
+                               f"certified accuracy ({cert_metric})", refs),
+            f"Robustness mechanisms: configured robustness epsilon against certified accuracy ({cert_metric})",
+            "robustness_certified.png")
+    add(rp.plot_certified_curves(sweep, "native", out / "cert_acc_vs_size.png", refs),
         "Certified accuracy against attack size", "cert_acc_vs_size.png",
-        "From the per-example tables: any size can be read off, not only the configured ones.")
-    add(rp.plot_certified_curves(sweep, "smoothing", out / "smooth_cert_acc_vs_size.png"),
+        "From the per-example tables: any size can be read off, not only the configured ones. One curve per "
+        "configuration (mean over its repeats, band one standard deviation).")
+    add(rp.plot_certified_curves(sweep, "smoothing", out / "smooth_cert_acc_vs_size.png", refs),
         "Randomized-smoothing certified accuracy against l2 radius", "smooth_cert_acc_vs_size.png")
     fig2_size = _fig2_size(trials)
     if fig2_size is not None:
-        add(rp.plot_accuracy_vs_epsilon_per_attack(trials, fig2_size, out / "fig2_accuracy_vs_epsilon.png"),
+        add(rp.plot_accuracy_vs_epsilon_per_attack(trials, fig2_size, out / "fig2_accuracy_vs_epsilon.png", refs),
             f"Conventional accuracy against epsilon under each attack (size {fig2_size:g}; DPAL paper Fig. 2 layout)",
-            "fig2_accuracy_vs_epsilon.png")
-    add(rp.plot_accuracy_vs_size_per_attack(trials, out / "fig4_accuracy_vs_attack_size.png"),
+            "fig2_accuracy_vs_epsilon.png", "Configured epsilon on the x axis" + repeats + ".")
+    add(rp.plot_accuracy_vs_size_per_attack(trials, out / "fig4_accuracy_vs_attack_size.png", refs),
         "Conventional accuracy against attack size (DPAL paper Fig. 4 layout)", "fig4_accuracy_vs_attack_size.png")
-    add(rp.plot_certified_vs_size_by_mechanism(sweep, out / "fig6_certified_vs_attack_size.png"),
+    add(rp.plot_certified_vs_size_by_mechanism(sweep, out / "fig6_certified_vs_attack_size.png", refs),
         "Certified accuracy against attack size by mechanism and epsilon (DPAL paper Fig. 6 layout)",
         "fig6_certified_vs_attack_size.png")
     for title, fname in _mechanism_figures(trials, out):
@@ -151,28 +225,30 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, pa
              f"Parent run `{sweep.parent.info.run_id}` ({sweep.parent.info.run_name}), {len(trials)} trials, "
              f"tracking URI `{tracking_uri}`.", ""]
     lines += _privacy_section(sweep)
-    if not trials.empty:
-        cols = [c for c in _summary_columns(trials) if c in trials]
-        lines += ["## Trials", "", *_md_table(trials[cols].to_dict("records"), cols),
-                  "", "Every parameter and metric: `trials.csv`.", ""]
+    lines += _reference_section(sweep, refs)
+    if agg_rows:
+        lines += ["## Trials", "",
+                  "One row per configuration: repeats (`search.num_samples`; trials that differ only in `seed` and "
+                  "`repeat`) are aggregated as mean ± standard deviation over the n finished trials, grouped by "
+                  "their configured parameters (`cfg.<key>`); `(k)` after a value: only k of them have it.", "",
+                  *_md_table(agg_rows, agg_cols),
+                  "", "Every trial's parameters and metrics: `trials.csv`; per configuration with mean, sd and n: "
+                  "`trials_aggregated.csv`.", ""]
     cert_rows = rp.certified_table(sweep, sizes)
     if cert_rows:
-        import csv
-
-        with open(out / "certified_accuracy.csv", "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in cert_rows for k in r)))
-            w.writeheader()
-            w.writerows(cert_rows)
+        _write_csv(out / "certified_accuracy.csv", cert_rows)
         files.append(out / "certified_accuracy.csv")
         lines += [f"## Certified accuracy at sizes {', '.join(f'{s:g}' for s in sizes)}", "",
-                  "Computed from each trial's per-example table (`dpsweep report --sizes ...` asks for others).", "",
+                  "Computed from each trial's per-example table (`dpsweep report --sizes ...` asks for others); "
+                  "mean ± sd over each configuration's n repeats.", "",
                   *_md_table(cert_rows), ""]
     dpal_rows = _dpal_rows(sweep)
     if dpal_rows:
         lines += ["## DPAL verified inference (per-example tables)", "",
                   "Medians over the certified test examples of the robustness budget eps_r maximising Eq. 15, the "
                   "bounds kappa and phi of Theorem 5, the certified size max(kappa, phi) (docs/dpal.md), and the "
-                  "fraction isRobust at the configured mu_a.", "", *_md_table(dpal_rows), ""]
+                  "fraction isRobust at the configured mu_a; mean ± sd of those per-trial values over each "
+                  "configuration's n repeats.", "", *_md_table(dpal_rows), ""]
     for title, fname, caption in figures:
         lines += [f"## {title}", "", f"![{title}]({fname})", ""] + ([caption, ""] if caption else [])
         files.append(out / fname)
@@ -185,18 +261,43 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, pa
 
 
 def _dpal_rows(sweep: Sweep) -> list[dict]:
-    """One row per DPAL trial from its per-example table (eps_r, kappa, phi, certified size, isRobust)."""
-    by_id = sweep.trials.set_index("run_id") if not sweep.trials.empty else None
-    rows = []
+    """One row per DPAL configuration from its trials' per-example tables (eps_r, kappa, phi,
+    certified size, isRobust: per-trial medians / fractions, then mean ± sd over repeats)."""
+    import numpy as np
+
+    if sweep.trials.empty:
+        return []
+    trials = finished(with_groups(sweep.trials))
+    agg = aggregate(trials, [])
+    labels = dict(zip(agg["group"], agg["label"])) if not agg.empty else {}
+    by_id = trials.set_index("run_id")
+    per_group: dict[int, list[dict]] = {}
     for (rid, kind), t in sorted(sweep.tables.items()):
-        if kind != "native" or not {"kappa", "phi", "eps_r"} <= set(t.columns):
+        if kind != "native" or not {"kappa", "phi", "eps_r"} <= set(t.columns) or rid not in by_id.index:
             continue
         row = by_id.loc[rid]
-        rows.append({"run": row["run"], "eps_t": float(row.get("epsilon", math.nan)), "examples": len(t),
-                     "eps_r": float(t["eps_r"].median()), "kappa": float(t["kappa"].median()),
-                     "phi": float(t["phi"].median()), "certified_size": float(t["certified_size"].median()),
-                     "isRobust": float(t["is_robust"].mean()) if "is_robust" in t else math.nan})
+        per_group.setdefault(int(row["group"]), []).append(
+            {"eps_t": float(row.get("epsilon", math.nan)), "examples": len(t), "eps_r": float(t["eps_r"].median()),
+             "kappa": float(t["kappa"].median()), "phi": float(t["phi"].median()),
+             "certified_size": float(t["certified_size"].median()),
+             "isRobust": float(t["is_robust"].mean()) if "is_robust" in t else math.nan})
+    rows = []
+    for gid, items in sorted(per_group.items()):
+        out = {"configuration": labels.get(gid, str(gid)), "n": len(items)}
+        for key in ("eps_t", "examples", "eps_r", "kappa", "phi", "certified_size", "isRobust"):
+            vals = np.array([it[key] for it in items], dtype=np.float64)
+            out[key] = fmt_stat(float(vals.mean()), float(vals.std(ddof=1)) if len(vals) > 1 else math.nan, len(vals))
+        rows.append(out)
     return rows
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    import csv
+
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        w.writeheader()
+        w.writerows(rows)
 
 
 def _fig2_size(trials) -> float | None:

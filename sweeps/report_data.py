@@ -43,6 +43,11 @@ class Sweep:
     def parent_tags(self) -> dict[str, str]:
         return dict(self.parent.data.tags)
 
+    @property
+    def reference(self) -> dict | None:
+        """The spec's ``reference`` block (published values), from the parent's params."""
+        return reference_from_params(dict(self.parent.data.params))
+
 
 def _typed(value: str):
     """An MLflow param (a string) back as the number/bool/list/dict it was logged from."""
@@ -124,8 +129,30 @@ def load_sweep(experiment: str, tracking_uri: str, *, parent_run_id: str | None 
         row.update({f"param.{k}": _typed(v) for k, v in run.data.params.items()})
         row.update({k: metric_value(v) for k, v in run.data.metrics.items()})
         rows.append(row)
-    trials = pd.DataFrame(rows)
+    trials = privacy_epsilons_only(pd.DataFrame(rows))
     return Sweep(client, experiment, tracking_uri, parent, trials)
+
+
+def privacy_epsilons_only(trials):
+    """``epsilon``/``delta`` hold privacy guarantees only: a run of a trainable whose epsilon is
+    a robustness parameter (``pixeldp``) logged before the rename has its recomputed robustness
+    epsilon as ``epsilon``; it moves to ``robustness_epsilon`` (docs/metrics.md)."""
+    from trainables.registry import REGISTRY
+
+    if trials.empty or "trainable" not in trials or "epsilon" not in trials:
+        return trials
+    trials = trials.copy()
+    robust = trials["trainable"].map(lambda n: not getattr(REGISTRY.get(n), "privacy_epsilon", True)).astype(bool)
+    if robust.any():
+        for old, new in (("epsilon", "robustness_epsilon"), ("delta", "robustness_delta")):
+            if old not in trials:
+                continue
+            if new not in trials:
+                trials[new] = math.nan
+            fill = robust & trials[new].isna()
+            trials.loc[fill, new] = trials.loc[fill, old]
+            trials.loc[robust, old] = math.nan
+    return trials
 
 
 def reference_from_params(params: dict[str, str]) -> dict | None:
@@ -194,3 +221,155 @@ def size_grid(sweep: Sweep, kind: str, points: int = 120) -> np.ndarray:
     col = TABLES[kind][1]
     top = max((float(t[col].max()) for (_, k), t in sweep.tables.items() if k == kind and len(t)), default=0.0)
     return np.linspace(0.0, max(top, 1e-3) * 1.02, points)
+
+
+# --------------------------------------------------------------------------- repeats
+
+
+# params that tell repeats of one configuration apart: never a grouping key (docs/specs.md)
+REPEAT_PARAMS = ("param.seed", "param.repeat")
+# what a trials row holds besides params and metrics
+ROW_KEYS = ("run_id", "run", "trainable", "status", "released")
+
+
+def _key_value(value):
+    """A param value as a hashable, comparable grouping key (lists and dicts as JSON, missing as "")."""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, sort_keys=True, default=str)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return value
+
+
+def config_columns(trials) -> list[str]:
+    """The configured parameters that define a group of repeats: every ``param.*`` column
+    except ``seed`` and ``repeat`` (measured values never group)."""
+    return [c for c in trials.columns if str(c).startswith("param.") and c not in REPEAT_PARAMS]
+
+
+def varying_columns(trials) -> list[str]:
+    """The configured parameters that differ between groups (what names a group)."""
+    cols = [c for c in config_columns(trials) if c != "param.trainable"]
+    return [c for c in cols if trials[c].map(_key_value).astype(str).nunique() > 1]
+
+
+def with_groups(trials):
+    """``trials`` with a ``group`` column: trials with the same trainable and the same configured
+    parameters (all but ``seed``/``repeat``) share a group, numbered in order of first appearance."""
+    trials = trials.copy()
+    if trials.empty:
+        trials["group"] = []
+        return trials
+    cols = ["trainable", *config_columns(trials)]
+    keys = [tuple(_key_value(v) for v in row) for row in trials[cols].itertuples(index=False)]
+    ids: dict[tuple, int] = {}
+    trials["group"] = [ids.setdefault(k, len(ids)) for k in keys]
+    return trials
+
+
+def group_label(row, varying: list[str]) -> str:
+    """``trainable key=value ...`` of the varying configured parameters of a group."""
+    parts = [str(row.get("trainable", ""))]
+    for c in varying:
+        v = row.get(c)
+        if _key_value(v) == "":
+            continue
+        parts.append(f"{c[len('param.'):]}={v:.4g}" if isinstance(v, float) else f"{c[len('param.'):]}={v}")
+    return " ".join(parts)
+
+
+def metric_columns(trials) -> list[str]:
+    """Numeric final-metric columns of the trials table."""
+    import pandas as pd
+
+    skip = set(ROW_KEYS) | {"group"}
+    return [c for c in trials.columns if c not in skip and not str(c).startswith("param.")
+            and pd.api.types.is_numeric_dtype(trials[c]) and not pd.api.types.is_bool_dtype(trials[c])]
+
+
+def finished(trials):
+    """The finished trials (a failed or killed trial's partial metrics are not averaged)."""
+    if trials.empty or "status" not in trials:
+        return trials
+    return trials[trials["status"] == "FINISHED"]
+
+
+def aggregate(trials, metrics: list[str] | None = None):
+    """One row per group of repeats of the finished trials: ``group``, ``trainable``, the
+    configured params, ``label``, ``n`` (trials), ``runs`` (their names) and, for each metric,
+    ``<m>`` (mean), ``<m>.sd`` (sample standard deviation, ddof 1; NaN for one trial) and
+    ``<m>.n`` (trials with a finite value). Infinite values (a non-private epsilon) stay
+    infinite when every repeat has them."""
+    import numpy as np
+    import pandas as pd
+
+    df = finished(with_groups(trials) if "group" not in trials else trials)
+    metrics = metric_columns(df) if metrics is None else [m for m in metrics if m in df]
+    varying = varying_columns(df) if not df.empty else []
+    rows = []
+    for gid, g in df.groupby("group", sort=True):
+        first = g.iloc[0]
+        row = {"group": gid, "trainable": first.get("trainable", ""),
+               **{c: first[c] for c in config_columns(df)}, "n": len(g), "runs": ", ".join(map(str, g["run"]))}
+        row["label"] = group_label(row, varying)
+        for m in metrics:
+            vals = g[m].to_numpy(dtype=np.float64)
+            vals = vals[~np.isnan(vals)]
+            finite = vals[np.isfinite(vals)]
+            if len(vals) and len(finite) == 0:  # all infinite (same sign: a non-private epsilon)
+                row[m], row[f"{m}.sd"], row[f"{m}.n"] = float(vals[0]), 0.0, len(vals)
+                continue
+            row[m] = float(finite.mean()) if len(finite) else math.nan
+            row[f"{m}.sd"] = float(finite.std(ddof=1)) if len(finite) > 1 else math.nan
+            row[f"{m}.n"] = len(finite)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def fmt_stat(mean: float, sd: float, n: int, *, of: int | None = None) -> str:
+    """``mean ± sd`` (one trial: the value alone), ``(k)`` appended when only k of the group's
+    ``of`` trials have the metric."""
+    if n == 0 or mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return ""
+    text = f"{mean:.4g}" if n == 1 or not math.isfinite(sd) else f"{mean:.4g} ± {sd:.2g}"
+    if of is not None and n != of:
+        text += f" ({n})"
+    return text
+
+
+def measured(trials, where: dict, metric: str) -> tuple[float, float, int]:
+    """(mean, sd, n) of ``metric`` over the finished trials whose configured values match a
+    ``reference`` point's ``where`` (sweeps.spec.reference_matches)."""
+    import numpy as np
+
+    from sweeps.spec import reference_matches
+
+    df = finished(trials)
+    if df.empty or metric not in df:
+        return math.nan, math.nan, 0
+    vals = []
+    for _, row in df.iterrows():
+        config = {"trainable": row.get("trainable"),
+                  **{c[len("param."):]: row[c] for c in df.columns if str(c).startswith("param.")}}
+        if reference_matches(where, config) and math.isfinite(float(row[metric])):
+            vals.append(float(row[metric]))
+    arr = np.array(vals, dtype=np.float64)
+    if not len(arr):
+        return math.nan, math.nan, 0
+    return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else math.nan, len(arr)
+
+
+def reference_rows(trials, reference: dict | None) -> list[dict]:
+    """The published-vs-measured table: one row per (point, metric) of the spec's reference
+    block: label, metric, published, measured mean ± sd (n), difference (measured mean minus
+    published)."""
+    rows = []
+    for j, point in enumerate((reference or {}).get("points", [])):
+        label = point.get("label") or ", ".join(f"{k}={v}" for k, v in point["where"].items())
+        for metric, published in point["metrics"].items():
+            mean, sd, n = measured(trials, point["where"], metric)
+            rows.append({"point": label, "metric": metric, "published": published,
+                         "measured": fmt_stat(mean, sd, n) + (f" (n={n})" if n else "no finished trial"),
+                         "difference": mean - published if n else math.nan,
+                         "_where": point["where"], "_mean": mean, "_sd": sd, "_n": n})
+    return rows

@@ -62,13 +62,16 @@ def labeldp_figures(trials, out: Path) -> list[Path]:
     return [path] if plot_labeldp(rows, path) else []
 
 
-def _mean_by_epsilon(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+def _mean_by_epsilon(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Configured epsilons, the mean of ``key`` over the trials at each (its repeats: the rows
+    are already one mechanism and post-processing), and the sample sd (0 for one trial)."""
     acc: dict[float, list[float]] = defaultdict(list)
     for r in rows:
         if r["epsilon"] is not None and math.isfinite(r.get(key, math.nan)):
             acc[r["epsilon"]].append(r[key])
     eps = np.array(sorted(acc))
-    return eps, np.array([np.mean(acc[e]) for e in eps])
+    sd = np.array([np.std(acc[e], ddof=1) if len(acc[e]) > 1 else 0.0 for e in eps])
+    return eps, np.array([np.mean(acc[e]) for e in eps]), sd
 
 
 def _baseline(rows: list[dict], task: str, key: str) -> float:
@@ -98,9 +101,9 @@ def plot_labeldp(rows: list[dict], path: Path, num_classes: int = 10) -> bool:
     for ax, task in zip(axes[0], panels):
         if task == "regression":
             for mech, (color, marker, label) in _REG_STYLE.items():
-                e, m = _mean_by_epsilon([r for r in reg if r["mechanism"] == mech], "mse")
+                e, m, sd = _mean_by_epsilon([r for r in reg if r["mechanism"] == mech], "mse")
                 if len(e):
-                    ax.plot(e, m, marker=marker, color=color, lw=1.8, label=label)
+                    ax.errorbar(e, m, yerr=sd, marker=marker, color=color, lw=1.8, capsize=2, label=label)
             base = _baseline(reg, "regression", "mse")
             if math.isfinite(base):
                 ax.hlines(base, lo, hi, colors="k", linestyles="--", label=f"non-private baseline {base:.4f}")
@@ -111,11 +114,12 @@ def plot_labeldp(rows: list[dict], path: Path, num_classes: int = 10) -> bool:
             grid = np.logspace(math.log10(lo), math.log10(hi), 80)
             for (mech, post), (color, marker, label) in _STYLE.items():
                 sel = [r for r in cls if r["mechanism"] == mech and r["postprocess"] == post]
-                e, a = _mean_by_epsilon(sel, "acc_clean")
+                e, a, sd = _mean_by_epsilon(sel, "acc_clean")
                 if not len(e):
                     continue
-                ax.plot(e, a, marker=marker, color=color, lw=1.8, label=f"{label}: test accuracy")
-                ek, k = _mean_by_epsilon(sel, "label_keep_rate")
+                ax.errorbar(e, a, yerr=sd, marker=marker, color=color, lw=1.8, capsize=2,
+                            label=f"{label}: test accuracy (mean ± sd)")
+                ek, k, _ = _mean_by_epsilon(sel, "label_keep_rate")
                 if len(ek):
                     ax.scatter(ek, k, marker="x", color=color, s=22, zorder=3)
                 curve = [analytic_keep_prob(mech, float(g), num_classes, postprocess=post) for g in grid]

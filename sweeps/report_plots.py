@@ -1,14 +1,22 @@
 """The figures of ``dpsweep report`` (matplotlib, Agg). Each function returns False when the sweep
 has no data for its figure, so the report shows only what it can draw.
 
-* ``plot_pareto``: epsilon against a utility metric, per mechanism, with each mechanism's front;
+Repeats of a configuration (``search.num_samples``; trials that differ only in ``seed`` and
+``repeat``) are drawn as one point or curve: the mean, with error bars (or a band) of one sample
+standard deviation. Published values of the spec's ``reference`` block are drawn as black stars
+on every figure whose axes they belong to (``refs``: ``report_data.reference_rows``).
+
+* ``plot_pareto``: privacy epsilon against a utility metric, per mechanism, with each mechanism's
+  front (trainables whose epsilon is a privacy guarantee only);
+* ``plot_robustness``: the same metric against the *configured* robustness epsilon, for the
+  trainables whose epsilon is a robustness parameter (PixelDP);
 * ``plot_certified_curves``: certified accuracy against attack size from the per-example tables;
 * ``plot_accuracy_vs_epsilon_per_attack``: the layout of the DPAL paper's Fig. 2 (one panel per
-  attack at one attack size, conventional accuracy against epsilon, one line per mechanism);
+  attack at one attack size, conventional accuracy against the configured epsilon);
 * ``plot_accuracy_vs_size_per_attack``: Fig. 4's layout (one panel per attack, accuracy against
-  the attack size, one line per mechanism and epsilon);
+  the attack size, one line per configuration);
 * ``plot_certified_vs_size_by_mechanism``: Fig. 6's layout (certified accuracy against the attack
-  size, one line per mechanism and epsilon, averaged over the trials that share them).
+  size, one line per mechanism and configured epsilon, averaged over the trials that share them).
 """
 
 from __future__ import annotations
@@ -20,10 +28,23 @@ from pathlib import Path
 import numpy as np
 
 from sweeps.pareto import pareto_front
-from sweeps.report_data import TABLES, Sweep, certified_accuracy_at, size_grid
+from sweeps.report_data import (
+    TABLES,
+    Sweep,
+    aggregate,
+    certified_accuracy_at,
+    finished,
+    fmt_stat,
+    group_label,
+    size_grid,
+    varying_columns,
+    with_groups,
+)
 
 ACC = re.compile(r"^acc_(fgsm|ifgsm|mim|pgd)_([0-9.eE+-]+)$")
+CERT = re.compile(r"^(smooth_)?cert_acc_([0-9.eE+-]+)$")
 ATTACK_LABEL = {"fgsm": "FGSM", "ifgsm": "I-FGSM", "mim": "MIM", "pgd": "MadryEtAl (PGD)"}
+STAR = dict(marker="*", s=140, color="black", edgecolors="white", linewidths=0.6, zorder=5)
 
 
 def _plt():
@@ -35,34 +56,144 @@ def _plt():
     return plt
 
 
-def _finite(df, col):
-    return df[np.isfinite(df[col].astype(float))] if col in df else df.iloc[0:0]
+def _privacy(trainable) -> bool:
+    from trainables.registry import REGISTRY
+
+    return bool(getattr(REGISTRY.get(trainable), "privacy_epsilon", True))
 
 
-def plot_pareto(trials, metric: str, path: Path, ylabel: str) -> bool:
-    """Every trial as a point (epsilon, ``metric``), one colour per mechanism, its front as a step line."""
-    if trials.empty or "epsilon" not in trials or metric not in trials:
-        return False
-    df = _finite(_finite(trials, "epsilon"), metric)
-    if df.empty:
-        return False
+def _sd(values) -> np.ndarray:
+    """Standard deviations for error bars (NaN, one trial, drawn as none)."""
+    return np.nan_to_num(np.asarray(values, dtype=np.float64), nan=0.0)
+
+
+def _num(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _matches_any(trials, where: dict) -> bool:
+    """Some finished trial of ``trials`` (those a figure draws) has the point's configured values."""
+    from sweeps.spec import reference_matches
+
+    df = finished(trials)
+    params = [c for c in df.columns if str(c).startswith("param.")]
+    return any(reference_matches(where, {"trainable": r.get("trainable"), **{c[len("param."):]: r[c] for c in params}})
+               for r in df.to_dict("records"))
+
+
+def _ref_x(trials, where: dict, col: str) -> float:
+    """The x of a published point: the configured value in ``where``, else the mean of ``col``
+    over the finished trials the point matches; NaN (not drawn) when the figure's trials hold no
+    trial the point matches."""
+    from sweeps.report_data import measured
+
+    if not _matches_any(trials, where):
+        return math.nan
+    if col.startswith("param.") and col[len("param."):] in where:
+        return _num(where[col[len("param."):]])
+    if col.startswith("param."):
+        from sweeps.spec import reference_matches
+
+        vals = [_num(r[col]) for _, r in finished(trials).iterrows() if col in r and reference_matches(
+            where, {"trainable": r.get("trainable"),
+                    **{c[len("param."):]: r[c] for c in trials.columns if str(c).startswith("param.")}})]
+        vals = [v for v in vals if math.isfinite(v)]
+        return float(np.mean(vals)) if vals else math.nan
+    return measured(trials, where, col)[0]
+
+
+def _stars(ax, points, label_done: list) -> None:
+    """Draw published points [(x, y, text)] as black stars (one legend entry per figure)."""
+    for x, y, text in points:
+        if not (math.isfinite(x) and math.isfinite(y)):
+            continue
+        ax.scatter([x], [y], label=None if label_done else "published (spec reference)", **STAR)
+        label_done.append(True)
+        if text:
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6)
+
+
+def _save(fig, ax_or_axes, path: Path, legend_fontsize=7) -> None:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
-    for i, (mech, g) in enumerate(sorted(df.groupby("trainable"), key=lambda kv: kv[0])):
-        color = plt.cm.tab10(i % 10)
-        e, a = g["epsilon"].to_numpy(float), g[metric].to_numpy(float)
-        ax.scatter(e, a, color=color, alpha=0.35, s=18)
-        front = pareto_front(e, a)
-        ax.step(e[front], a[front], where="post", color=color, lw=2, marker="o", label=f"{mech} (front)")
-    ax.set_xscale("log")
-    ax.set_xlabel("epsilon (per trial)")
-    ax.set_ylabel(ylabel)
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_pareto(trials, metric: str, path: Path, ylabel: str, refs=()) -> bool:
+    """Each configuration (mean over its repeats, error bars one sd) as a point (privacy epsilon,
+    ``metric``), one colour per mechanism, its front (of the means) as a step line. Only trainables
+    whose epsilon is a privacy guarantee; non-private baselines (infinite epsilon) are left out."""
+    if trials.empty or "epsilon" not in trials or metric not in trials:
+        return False
+    df = trials[trials["trainable"].map(_privacy).astype(bool)]
+    agg = aggregate(df, ["epsilon", metric])
+    if agg.empty:
+        return False
+    agg = agg[np.isfinite(agg["epsilon"].astype(float)) & np.isfinite(agg[metric].astype(float))]
+    if agg.empty:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
+    for i, (mech, g) in enumerate(sorted(agg.groupby("trainable"), key=lambda kv: kv[0])):
+        color = plt.cm.tab10(i % 10)
+        e, a = g["epsilon"].to_numpy(float), g[metric].to_numpy(float)
+        front = pareto_front(e, a)
+        ax.step(e[front], a[front], where="post", color=color, lw=1.5, alpha=0.6, label=f"{mech} (front)")
+        ax.errorbar(e, a, yerr=_sd(g[f"{metric}.sd"]), xerr=_sd(g["epsilon.sd"]), fmt="o", color=color,
+                    ms=5, capsize=3, lw=1.2, zorder=3, label=f"{mech} (mean ± sd)")
+    done: list = []
+    _stars(ax, [(_ref_x(df, r["_where"], "epsilon"), r["published"], r["point"])
+                for r in refs if r["metric"] == metric], done)
+    ax.set_xscale("log")
+    ax.set_xlabel("epsilon (privacy guarantee, per trial; mean over repeats)")
+    ax.set_ylabel(ylabel + " (mean ± sd)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    _save(fig, ax, path)
+    return True
+
+
+def _robust_x(df) -> str | None:
+    if "robustness_epsilon_config" in df and df["robustness_epsilon_config"].notna().any():
+        return "robustness_epsilon_config"
+    return "param.epsilon" if "param.epsilon" in df else None
+
+
+def plot_robustness(trials, metric: str, path: Path, ylabel: str, refs=()) -> bool:
+    """Trainables whose epsilon is a robustness parameter (PixelDP): ``metric`` against the
+    configured robustness epsilon, a line per configuration of the other parameters (mean ± sd)."""
+    if trials.empty or metric not in trials or "trainable" not in trials:
+        return False
+    df = trials[~trials["trainable"].map(_privacy).astype(bool)]
+    xcol = _robust_x(df) if not df.empty else None
+    if xcol is None:
+        return False
+    if xcol.startswith("param."):
+        df = df.assign(robustness_epsilon_config=df[xcol].map(_num))
+    agg = aggregate(df, ["robustness_epsilon_config", metric])
+    if agg.empty or not np.isfinite(agg[metric].astype(float)).any():
+        return False
+    varying = [c for c in varying_columns(finished(df)) if c != "param.epsilon"]
+    agg["_series"] = [group_label(r, varying) for r in agg.to_dict("records")]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
+    for i, (series, g) in enumerate(sorted(agg.groupby("_series"), key=lambda kv: kv[0])):
+        g = g.sort_values("robustness_epsilon_config")
+        ax.errorbar(g["robustness_epsilon_config"].to_numpy(float), g[metric].to_numpy(float),
+                    yerr=_sd(g[f"{metric}.sd"]), marker="o", capsize=3, color=plt.cm.tab10(i % 10), label=series)
+    _stars(ax, [(_ref_x(df, r["_where"], "param.epsilon"), r["published"], r["point"])
+                for r in refs if r["metric"] == metric], [])
+    ax.set_xlabel("configured robustness epsilon (not a privacy guarantee)")
+    ax.set_ylabel(ylabel + " (mean ± sd)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save(fig, ax, path)
     return True
 
 
@@ -71,30 +202,52 @@ def _label(row) -> str:
     return f"{row['trainable']} eps={eps:.3g}" if isinstance(eps, float) and math.isfinite(eps) else row["trainable"]
 
 
-def plot_certified_curves(sweep: Sweep, kind: str, path: Path) -> bool:
-    """One curve per trial from its per-example table (any attack size, not only configured ones)."""
-    tables = {rid: t for (rid, k), t in sweep.tables.items() if k == kind}
-    if not tables:
+def _table_groups(sweep: Sweep, kind: str) -> tuple[dict, list[str]]:
+    """group id -> (label, [tables]) of the finished trials with a ``kind`` table."""
+    trials = with_groups(sweep.trials)
+    fin = finished(trials)
+    varying = varying_columns(fin) if not fin.empty else []
+    by_id = fin.set_index("run_id")
+    groups: dict = {}
+    for (rid, k), table in sweep.tables.items():
+        if k != kind or rid not in by_id.index:
+            continue
+        row = by_id.loc[rid]
+        entry = groups.setdefault(int(row["group"]), [group_label(row.to_dict(), varying), []])
+        entry[1].append(table)
+    return groups, varying
+
+
+def plot_certified_curves(sweep: Sweep, kind: str, path: Path, refs=()) -> bool:
+    """One curve per configuration from its trials' per-example tables (any attack size, not only
+    configured ones): the mean over its repeats, a band of one sd."""
+    groups, _ = _table_groups(sweep, kind)
+    if not groups:
         return False
     plt = _plt()
     grid = size_grid(sweep, kind)
-    by_id = sweep.trials.set_index("run_id")
-    mechs = sorted({by_id.loc[r, "trainable"] for r in tables})
+    mechs = sorted({label.split()[0] for label, _ in groups.values()})
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
-    for i, (rid, table) in enumerate(tables.items()):
-        row = by_id.loc[rid]
-        ls = ("-", "--", ":", "-.")[mechs.index(row["trainable"]) % 4]
-        ax.plot(grid, certified_accuracy_at(table, kind, grid), ls=ls, color=plt.cm.tab10(i % 10),
-                label=f"{_label(row.to_dict())} ({row['run']})", alpha=0.85)
+    for i, (gid, (label, tables)) in enumerate(sorted(groups.items())):
+        curves = np.array([certified_accuracy_at(t, kind, grid) for t in tables])
+        mean = curves.mean(axis=0)
+        color = plt.cm.tab10(i % 10)
+        ls = ("-", "--", ":", "-.")[mechs.index(label.split()[0]) % 4]
+        ax.plot(grid, mean, ls=ls, color=color, alpha=0.9, label=f"{label} (n={len(tables)})")
+        if len(tables) > 1:
+            sd = curves.std(axis=0, ddof=1)
+            ax.fill_between(grid, mean - sd, mean + sd, color=color, alpha=0.15, lw=0)
+    prefix = "smooth_cert_acc_" if kind == "smoothing" else "cert_acc_"
+    _stars(ax, [(float(r["metric"][len(prefix):]), r["published"], r["point"]) for r in refs
+                if r["metric"].startswith(prefix) and CERT.match(r["metric"]) and _matches_any(sweep.trials, r["_where"])
+                and bool(CERT.match(r["metric"]).group(1)) == (kind == "smoothing")], [])
     what = "l2 radius, randomized smoothing" if kind == "smoothing" else "the mechanism's certified size"
     ax.set_xlabel(f"attack size ([-1, 1] domain; {what})")
-    ax.set_ylabel("certified accuracy")
+    ax.set_ylabel("certified accuracy (mean ± sd over repeats)")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save(fig, ax, path)
     return True
 
 
@@ -108,103 +261,147 @@ def _attack_columns(trials) -> dict[str, dict[float, str]]:
     return out
 
 
-def plot_accuracy_vs_epsilon_per_attack(trials, size: float, path: Path) -> bool:
-    """Fig. 2's layout: a panel per attack at ``size``; accuracy against epsilon, a line per
-    mechanism (mean over the trials at each epsilon)."""
+def _with_config_epsilon(trials):
+    """``_eps``: the configured epsilon of each trial (``param.epsilon``; the guarantee for a
+    privacy mechanism, the robustness parameter for PixelDP), the measured one where none is
+    configured; NaN for a non-private baseline."""
+    df = trials.copy()
+    conf = df["param.epsilon"].map(_num) if "param.epsilon" in df else np.nan
+    meas = df["epsilon"].astype(float) if "epsilon" in df else np.nan
+    df["_eps"] = np.where(np.isfinite(conf), conf, meas) if "param.epsilon" in df else meas
+    df.loc[~np.isfinite(df["_eps"].astype(float)), "_eps"] = np.nan
+    return df
+
+
+def _series_name(row, varying) -> str:
+    name = group_label(row, [c for c in varying if c != "param.epsilon"])
+    return name + ("" if _privacy(row.get("trainable")) else " (x: configured robustness eps)")
+
+
+def plot_accuracy_vs_epsilon_per_attack(trials, size: float, path: Path, refs=()) -> bool:
+    """Fig. 2's layout: a panel per attack at ``size``; accuracy against the configured epsilon,
+    a line per configuration of the other parameters (mean ± sd over repeats)."""
     cols = {a: s[size] for a, s in _attack_columns(trials).items() if size in s}
-    df = _finite(trials, "epsilon")
-    if not cols or df.empty or df.groupby("trainable")["epsilon"].nunique().max() < 2:
+    if not cols or trials.empty:
+        return False
+    df = _with_config_epsilon(trials)
+    df = df[df["_eps"].notna()]
+    agg = aggregate(df, ["_eps", *cols.values()])
+    if agg.empty:
+        return False
+    varying = varying_columns(finished(df))
+    agg["_series"] = [_series_name(r, varying) for r in agg.to_dict("records")]
+    if agg.groupby("_series")["_eps"].nunique().max() < 2:
         return False
     plt = _plt()
     attacks = [a for a in ATTACK_LABEL if a in cols]
     fig, axes = plt.subplots(1, len(attacks), figsize=(3.2 * len(attacks), 3.3), dpi=120, squeeze=False, sharey=True)
     for ax, attack in zip(axes[0], attacks):
-        for i, (mech, g) in enumerate(sorted(df.groupby("trainable"), key=lambda kv: kv[0])):
-            mean = g.groupby("epsilon")[cols[attack]].mean().sort_index()
-            ax.plot(mean.index, mean.to_numpy(), marker="o", color=plt.cm.tab10(i % 10), label=mech)
+        col = cols[attack]
+        for i, (series, g) in enumerate(sorted(agg.groupby("_series"), key=lambda kv: kv[0])):
+            g = g.sort_values("_eps")
+            ax.errorbar(g["_eps"].to_numpy(float), g[col].to_numpy(float), yerr=_sd(g[f"{col}.sd"]), marker="o",
+                        capsize=2, ms=4, color=plt.cm.tab10(i % 10), label=series)
+        _stars(ax, [(_ref_x(df, r["_where"], "param.epsilon"), r["published"], r["point"])
+                    for r in refs if r["metric"] == col], [])
         ax.set_title(f"{ATTACK_LABEL[attack]}, size {size:g}", fontsize=9)
-        ax.set_xlabel("epsilon")
+        ax.set_xlabel("epsilon (configured)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("conventional accuracy")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    axes[0][0].set_ylabel("conventional accuracy (mean ± sd)")
+    axes[0][-1].legend(fontsize=6)
+    _save(fig, axes, path)
     return True
 
 
-def plot_accuracy_vs_size_per_attack(trials, path: Path) -> bool:
+def plot_accuracy_vs_size_per_attack(trials, path: Path, refs=()) -> bool:
     """Fig. 4's layout: a panel per attack; accuracy against the attack size, a line per
-    (mechanism, epsilon), mean over trials that share them."""
+    configuration (mean ± sd over its repeats)."""
     cols = {a: s for a, s in _attack_columns(trials).items() if len(s) >= 2}
     if not cols or trials.empty:
         return False
+    agg = aggregate(trials, [c for s in cols.values() for c in s.values()])
+    if agg.empty:
+        return False
     plt = _plt()
-    df = trials.copy()
-    df["_eps"] = df["epsilon"].round(6) if "epsilon" in df else math.nan
     attacks = [a for a in ATTACK_LABEL if a in cols]
     fig, axes = plt.subplots(1, len(attacks), figsize=(3.2 * len(attacks), 3.3), dpi=120, squeeze=False, sharey=True)
     for ax, attack in zip(axes[0], attacks):
         sizes = sorted(cols[attack])
-        for i, ((mech, eps), g) in enumerate(sorted(df.groupby(["trainable", "_eps"], dropna=False),
-                                                    key=lambda kv: (kv[0][0], kv[0][1]))):
-            acc = [g[cols[attack][s]].mean() for s in sizes]
-            ax.plot(sizes, acc, marker="o", color=plt.cm.tab10(i % 10), label=f"{mech} eps={eps:.3g}")
+        for i, row in enumerate(agg.to_dict("records")):
+            acc = [row.get(cols[attack][s], math.nan) for s in sizes]
+            sd = [row.get(f"{cols[attack][s]}.sd", math.nan) for s in sizes]
+            ax.errorbar(sizes, acc, yerr=_sd(sd), marker="o", capsize=2, ms=4, color=plt.cm.tab10(i % 10),
+                        label=f"{row['label']} (n={row['n']})")
+        _stars(ax, [(float(ACC.match(r["metric"]).group(2)), r["published"], r["point"]) for r in refs
+                    if ACC.match(r["metric"]) and ACC.match(r["metric"]).group(1) == attack
+                    and _matches_any(trials, r["_where"])], [])
         ax.set_title(ATTACK_LABEL[attack], fontsize=9)
         ax.set_xlabel("attack size mu_a")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("conventional accuracy")
+    axes[0][0].set_ylabel("conventional accuracy (mean ± sd)")
     axes[0][-1].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save(fig, axes, path)
     return True
 
 
-def plot_certified_vs_size_by_mechanism(sweep: Sweep, path: Path) -> bool:
+def plot_certified_vs_size_by_mechanism(sweep: Sweep, path: Path, refs=()) -> bool:
     """Fig. 6's layout: certified accuracy against the attack size, a line per (mechanism,
-    epsilon, certifier), the mean of the per-trial curves computed from the per-example tables."""
+    configured epsilon, certifier): the mean of the per-trial curves (from the per-example
+    tables), a band of one sd."""
     if not sweep.tables:
         return False
     plt = _plt()
-    by_id = sweep.trials.set_index("run_id")
+    df = finished(_with_config_epsilon(sweep.trials)).set_index("run_id")
     groups: dict[tuple, list] = {}
     for (rid, kind), table in sweep.tables.items():
-        row = by_id.loc[rid]
-        eps = float(row.get("epsilon", math.nan))
+        if rid not in df.index:
+            continue
+        row = df.loc[rid]
+        eps = float(row["_eps"]) if math.isfinite(_num(row["_eps"])) else math.nan
         groups.setdefault((row["trainable"], round(eps, 6), kind), []).append(table)
+    if not groups:
+        return False
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
     for i, ((mech, eps, kind), tables) in enumerate(sorted(groups.items(), key=lambda kv: kv[0])):
         grid = size_grid(sweep, kind)
-        curve = np.mean([certified_accuracy_at(t, kind, grid) for t in tables], axis=0)
-        ax.plot(grid, curve, color=plt.cm.tab10(i % 10), ls="-" if kind == "native" else "--",
-                label=f"{mech} eps={eps:.3g}" + (" (smoothing)" if kind == "smoothing" else ""))
+        curves = np.array([certified_accuracy_at(t, kind, grid) for t in tables])
+        mean = curves.mean(axis=0)
+        color = plt.cm.tab10(i % 10)
+        what = "eps" if _privacy(mech) else "robustness eps (configured)"
+        ax.plot(grid, mean, color=color, ls="-" if kind == "native" else "--",
+                label=f"{mech} {what}={eps:.3g} (n={len(tables)})" + (" (smoothing)" if kind == "smoothing" else ""))
+        if len(tables) > 1:
+            sd = curves.std(axis=0, ddof=1)
+            ax.fill_between(grid, mean - sd, mean + sd, color=color, alpha=0.15, lw=0)
+    _stars(ax, [(float(CERT.match(r["metric"]).group(2)), r["published"], r["point"]) for r in refs
+                if CERT.match(r["metric"]) and _matches_any(sweep.trials, r["_where"])], [])
     ax.set_xlabel("attack size mu_a ([-1, 1] domain)")
-    ax.set_ylabel("certified accuracy")
+    ax.set_ylabel("certified accuracy (mean ± sd over repeats)")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save(fig, ax, path)
     return True
 
 
 def certified_table(sweep: Sweep, sizes) -> list[dict]:
-    """Certified accuracy of every trial at the asked sizes, from its per-example tables."""
-    by_id = sweep.trials.set_index("run_id")
-    rows = []
-    for (rid, kind), table in sorted(sweep.tables.items()):
-        row = by_id.loc[rid]
-        out = {"run": row["run"], "trainable": row["trainable"], "certifier": kind,
-               "epsilon": float(row.get("epsilon", math.nan))}
-        for s, v in zip(sizes, certified_accuracy_at(table, kind, sizes)):
-            out[f"cert_acc_{s:.6g}" if kind == "native" else f"smooth_cert_acc_{s:.6g}"] = float(v)
-        rows.append(out)
-    return rows
+    """Certified accuracy at the asked sizes from the per-example tables, one row per
+    (configuration, certifier): mean ± sd over its repeats, with n."""
+    out = []
+    for kind in TABLES:
+        groups, _ = _table_groups(sweep, kind)
+        for gid, (label, tables) in sorted(groups.items()):
+            values = np.array([certified_accuracy_at(t, kind, sizes) for t in tables])
+            row = {"configuration": label, "certifier": kind, "n": len(tables)}
+            for j, s in enumerate(sizes):
+                col = f"cert_acc_{s:.6g}" if kind == "native" else f"smooth_cert_acc_{s:.6g}"
+                sd = float(values[:, j].std(ddof=1)) if len(tables) > 1 else math.nan
+                row[col] = fmt_stat(float(values[:, j].mean()), sd, len(tables))
+            out.append(row)
+    return out
 
 
 __all__ = ["TABLES", "certified_table", "plot_accuracy_vs_epsilon_per_attack", "plot_accuracy_vs_size_per_attack",
-           "plot_certified_curves", "plot_certified_vs_size_by_mechanism", "plot_pareto"]
+           "plot_certified_curves", "plot_certified_vs_size_by_mechanism", "plot_pareto", "plot_robustness"]
