@@ -658,7 +658,9 @@ def spec_to_flat_params(spec: SweepSpec) -> dict[str, str]:
 
     Mappings and lists holding mappings or lists are walked (list items by index); other
     values are leaves, written as the string itself or JSON (``null``, ``true``, ``[0.5, 1.0]``),
-    truncated to 500 characters.
+    truncated to 500 characters. One resolved value is added: ``attack_labels``, the labels the
+    trials' attacks use (``true``, ``predicted`` or both, comma-separated; docs/metrics.md), written
+    or not.
     """
     out: dict[str, str] = {}
 
@@ -677,4 +679,6 @@ def spec_to_flat_params(spec: SweepSpec) -> dict[str, str]:
             out[prefix] = leaf(node)
 
     walk("", spec.raw)
+    labels = {str(c.get("attack_labels", "true")) for _, configs in _space_configs(spec) for c in configs}
+    out["attack_labels"] = ", ".join(sorted(labels))
     return out

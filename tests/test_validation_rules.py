@@ -214,3 +214,12 @@ def test_dpal_paper_specs_attack_the_predicted_labels(path):
     else:
         labels = {t["attack_labels"] for t in expand_trials(spec)}
     assert labels == ({"predicted"} if paper else {"true"})
+
+
+def test_attack_labels_is_a_parent_param():
+    from sweeps.spec import spec_to_flat_params
+
+    assert spec_to_flat_params(validate_spec(DPSGD))["attack_labels"] == "true"
+    assert spec_to_flat_params(load_spec(ROOT / "sweeps" / "dpal_mnist_fig2.yaml"))["attack_labels"] == "predicted"
+    both = _spec({"trainables.0.search.attack_labels": ["true", "predicted"]})
+    assert spec_to_flat_params(validate_spec(both))["attack_labels"] == "predicted, true"
