@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -337,6 +338,22 @@ def fmt_stat(mean: float, sd: float, n: int, *, of: int | None = None) -> str:
     return text
 
 
+ATTACK_MEAN = re.compile(r"^acc_attack_mean_(.+)$")
+
+
+def with_metric(trials, metric: str):
+    """``trials`` with ``metric`` as a column: a logged metric as is; ``acc_attack_mean_<size>``
+    (a reference block's average over attacks, sweeps.spec.MEAN_OVER_ATTACKS) computed per trial as
+    the mean of its ``acc_<attack>_<size>`` columns (NaN without any)."""
+    m = ATTACK_MEAN.match(metric)
+    if metric in trials or m is None or trials.empty:
+        return trials
+    cols = [c for c in trials.columns if re.fullmatch(rf"acc_(fgsm|ifgsm|mim|pgd)_{re.escape(m.group(1))}", str(c))]
+    out = trials.copy()
+    out[metric] = out[cols].astype(float).mean(axis=1, skipna=True) if cols else math.nan
+    return out
+
+
 def measured(trials, where: dict, metric: str) -> tuple[float, float, int]:
     """(mean, sd, n) of ``metric`` over the finished trials whose configured values match a
     ``reference`` point's ``where`` (sweeps.spec.reference_matches)."""
@@ -344,7 +361,7 @@ def measured(trials, where: dict, metric: str) -> tuple[float, float, int]:
 
     from sweeps.spec import reference_matches
 
-    df = finished(trials)
+    df = with_metric(finished(trials), metric)
     if df.empty or metric not in df:
         return math.nan, math.nan, 0
     vals = []

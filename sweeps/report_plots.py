@@ -302,8 +302,10 @@ def plot_accuracy_vs_epsilon_per_attack(trials, size: float, path: Path, refs=()
             g = g.sort_values("_eps")
             ax.errorbar(g["_eps"].to_numpy(float), g[col].to_numpy(float), yerr=_sd(g[f"{col}.sd"]), marker="o",
                         capsize=2, ms=4, color=plt.cm.tab10(i % 10), label=series)
-        _stars(ax, [(_ref_x(df, r["_where"], "param.epsilon"), r["published"], r["point"])
-                    for r in refs if r["metric"] == col], [])
+        mean_metric = f"acc_attack_mean_{size:.6g}"  # published as an average over the attacks: on every panel
+        _stars(ax, [(_ref_x(df, r["_where"], "_eps"), r["published"],
+                     r["point"] + (" (avg over attacks)" if r["metric"] == mean_metric else ""))
+                    for r in refs if r["metric"] in (col, mean_metric)], [])
         ax.set_title(f"{ATTACK_LABEL[attack]}, size {size:g}", fontsize=9)
         ax.set_xlabel("epsilon (configured)")
         ax.set_ylim(0, 1.02)
@@ -336,6 +338,8 @@ def plot_accuracy_vs_size_per_attack(trials, path: Path, refs=()) -> bool:
         _stars(ax, [(float(ACC.match(r["metric"]).group(2)), r["published"], r["point"]) for r in refs
                     if ACC.match(r["metric"]) and ACC.match(r["metric"]).group(1) == attack
                     and _matches_any(trials, r["_where"])], [])
+        _stars(ax, [(float(r["metric"][len("acc_attack_mean_"):]), r["published"], r["point"] + " (avg over attacks)")
+                    for r in refs if r["metric"].startswith("acc_attack_mean_") and _matches_any(trials, r["_where"])], [])
         ax.set_title(ATTACK_LABEL[attack], fontsize=9)
         ax.set_xlabel("attack size mu_a")
         ax.set_ylim(0, 1.02)

@@ -39,6 +39,7 @@ from sweeps.spec_space import (
     did_you_mean,
     expand,
     first_error,
+    format_size,
     join_path,
     pydantic_rule,
     short_repr,
@@ -582,8 +583,27 @@ def _check_reference(spec: SweepSpec) -> None:
             raise SpecError(f"{path}.where: no trial of the sweep has {shown} (a point must name configured "
                             f"values of at least one trial)")
         for metric in point.metrics:
-            check_metric(metric, f"{path}.metrics.{metric}", matched or [c for c in configs
-                                                                       if c["trainable"] in candidates])
+            _check_reference_metric(metric, f"{path}.metrics.{metric}",
+                                    matched or [c for c in configs if c["trainable"] in candidates])
+
+
+# A published value that averages a metric over the attacks (the DPAL paper's "on average" over
+# FGSM, I-FGSM, MIM and MadryEtAl): the report computes it from the acc_<attack>_<size> metrics.
+MEAN_OVER_ATTACKS = re.compile(r"acc_attack_mean_(.+)")
+
+
+def _check_reference_metric(metric: str, path: str, configs: list[dict]) -> None:
+    """A reference metric is a metric every matched trial reports, or ``acc_attack_mean_<size>``:
+    the mean of ``acc_<attack>_<size>`` over the attacks each matched trial runs at that size."""
+    m = MEAN_OVER_ATTACKS.fullmatch(metric)
+    if m is None:
+        check_metric(metric, path, configs)
+        return
+    size = m.group(1)
+    for cfg in configs:
+        if not any(size in (format_size(s) for s in sizes) for sizes in (cfg.get("attacks") or {}).values()):
+            raise SpecError(f"{path}: {metric!r} averages acc_<attack>_{size} over the attacks, but a trial of "
+                            f"{cfg['trainable']!r} runs no attack at size {size} (attacks)")
 
 
 def validate_spec(raw: dict) -> SweepSpec:

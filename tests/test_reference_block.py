@@ -91,3 +91,35 @@ def test_round_trip_through_the_parent_params():
     assert back["points"][1] == {"label": None, "where": {"trainable": "dpsgd", "epsilon": 2.0},
                                  "metrics": {"acc_clean": 0.95}}
     assert reference_from_params({"search.seed": "0"}) is None
+
+
+def test_a_published_average_over_attacks_is_checked_and_measured():
+    import pandas as pd
+
+    from sweeps.report_data import measured
+
+    raw = {**copy.deepcopy(BASE), "common": {**BASE["common"], "attacks": {"fgsm": [0.2], "pgd": [0.2]}}}
+    point = {"where": {"trainable": "dpsgd", "epsilon": 1.0}, "metrics": {"acc_attack_mean_0.2": 0.8}}
+    spec = validate_spec({**raw, "reference": {"citation": "x", "points": [point]}})
+    assert spec.reference.points[0].metrics == {"acc_attack_mean_0.2": 0.8}
+    with pytest.raises(SpecError, match=r"reference.points\[0\].metrics.acc_attack_mean_0.3: .* no attack at size 0.3"):
+        validate_spec({**raw, "reference": {"citation": "x", "points": [
+            {**point, "metrics": {"acc_attack_mean_0.3": 0.8}}]}})
+    trials = pd.DataFrame([{"run": "a", "trainable": "dpsgd", "status": "FINISHED", "param.epsilon": 1.0,
+                            "acc_fgsm_0.2": 0.6, "acc_pgd_0.2": 0.4},
+                           {"run": "b", "trainable": "dpsgd", "status": "FINISHED", "param.epsilon": 1.0,
+                            "acc_fgsm_0.2": 0.8, "acc_pgd_0.2": 0.6}])
+    mean, sd, n = measured(trials, point["where"], "acc_attack_mean_0.2")
+    assert (mean, n) == (pytest.approx(0.6), 2) and sd == pytest.approx(0.1414, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["pixeldp_mnist_certified", "dpal_mnist_fig2", "dpal_mnist_fig4", "dpal_mnist_fig6",
+                                  "dpal_paper_baselines"])
+def test_specs_that_reproduce_a_figure_carry_the_published_values(name):
+    from pathlib import Path
+
+    from sweeps.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "sweeps" / f"{name}.yaml")
+    assert spec.reference is not None and spec.reference.citation and spec.reference.note
+    assert all(p.metrics for p in spec.reference.points)

@@ -91,9 +91,12 @@ def test_quickstart_validates_and_expands_with_defaults_resolved():
 def test_certified_spec_sweeps_the_papers_bounds():
     spec = load_spec(CERTIFIED)
     trials = expand_trials(spec)
-    assert [t["attack_bound"] for t in trials] == [0.03, 0.1, 0.3, 1.0]
+    # the paper's L in {0.03, 0.1, 0.3, 1.0} on inputs spanning 1; ours span 2 (docs/pixeldp.md)
+    assert [t["attack_bound"] for t in trials] == [0.06, 0.2, 0.6, 2.0]
     for t in trials:
         assert (t["epsilon"], t["delta"], t["norm"], t["train_size"]) == (1.0, 0.05, "l2", None)
+        # the reference's one-sided 95% bounds and its delta' grid
+        assert t["certify_eta"] == 0.90 and t["certify_calibration"] == "classic"
         assert t["certify_n"] == t["certify_images"] == t["test_size"] == 1000 and t["epochs"] == 10
         assert t["certify_sizes"][:3] == [0.0, 0.05, 0.1] and max(t["certify_sizes"]) >= 1.0
 
