@@ -139,6 +139,7 @@ def cmd_mechanisms(args) -> int:
         return EXIT_OK
     for entry in REGISTRY.values():
         print(f"{entry.name}: {entry.description}")
+        print(f"  epsilon protects: {entry.epsilon_protects}")
         for key, field in entry.config_model.model_fields.items():
             default = field.get_default(call_default_factory=True)
             print(f"    {key:<20} default {default!r:<12} {field.description or ''}")

@@ -60,3 +60,14 @@ def test_sweep_summary_uses_privacy_epsilons_only():
     assert summary["epsilon_min_trial"] == 1.0 and summary["epsilon_max_trial"] == 2.0
     _, summary, _ = summarize(grid[2:])
     assert "epsilon_min_trial" not in summary and not math.isnan(summary["trials"])
+
+
+def test_mechanisms_says_what_each_epsilon_protects(capsys):
+    from sweeps.cli import main
+
+    assert main(["mechanisms"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("epsilon protects: ") == len(REGISTRY)
+    assert "epsilon protects: nothing: no epsilon metric" in out
+    assert main(["mechanisms", "label_dp"]) == 0
+    assert "epsilon protects: training labels only" in capsys.readouterr().out
