@@ -275,6 +275,17 @@ def _say_where(spec, info: dict, exp_dir: str) -> None:
           f"{info['experiment_id']}){where}", flush=True)
 
 
+def mlflow_ui_hint(tracking_uri: str, experiment_id) -> str:
+    """How to look at the sweep in the MLflow UI. The page address names the training view
+    (``workflowType=machine_learning``): MLflow 3.17's UI otherwise opens every experiment in its
+    GenAI view, whatever the experiment's ``mlflow.experimentKind`` tag says (checked in headless
+    Chromium)."""
+    page = f"#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"{tracking_uri.rstrip('/')}/{page}"
+    return f"{_tool('mlflow')} ui --backend-store-uri {tracking_uri}, then open http://127.0.0.1:5000/{page}"
+
+
 def _unfinished(results, total: int | None) -> int:
     """Trials the sweep has not finished: neither terminated nor errored, or never started."""
     trials = list(getattr(results, "_experiment_analysis").trials)
@@ -338,9 +349,8 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     print()
     if failed:
         print(f"{failed} trial(s) failed after their retries; logs under {exp_dir}")
-    ui = f"{_tool('mlflow')} ui --backend-store-uri {tracking_uri}" if tracking_uri.startswith("sqlite") else tracking_uri
     print(f"report:   {_tool('dpsweep')} report {experiment} --tracking-uri {tracking_uri} --out report/")
-    print(f"MLflow:   {ui}")
+    print(f"MLflow:   {mlflow_ui_hint(tracking_uri, info['experiment_id'])}")
     print(f"resume:   {_tool('dpsweep')} resume {exp_dir}")
     return EXIT_FAILED if failed else EXIT_OK
 

@@ -287,3 +287,12 @@ def test_asha_on_a_final_metric_is_refused_at_validation(tmp_path, capsys):
     assert main(["validate", str(spec)]) == 2
     err = _ours(capsys.readouterr().err)
     assert len(err) == 1 and "scheduler.metric: asha compares per-epoch metrics" in err[0]
+
+
+def test_mlflow_ui_hint_opens_the_training_view():
+    from sweeps.cli import mlflow_ui_hint
+
+    local = mlflow_ui_hint("sqlite:////tmp/x/mlflow.db", "3")
+    assert "ui --backend-store-uri sqlite:////tmp/x/mlflow.db" in local
+    assert local.endswith("http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning")
+    assert mlflow_ui_hint("http://head:5000/", "7") == "http://head:5000/#/experiments/7/runs?workflowType=machine_learning"
