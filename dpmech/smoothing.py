@@ -131,6 +131,8 @@ class SmoothingResult:
     norm: str = "l2"
     # PREDICT's answer on the same inputs (ABSTAIN = -1), when it was run (trainables.runtime)
     smoothed_prediction: np.ndarray | None = None
+    counts0: np.ndarray | None = None   # [N, K] selection counts (n0 draws) that chose c_A
+    counts: np.ndarray | None = None    # [N, K] estimation counts (n draws); count_a is counts[i, c_A]
 
     @property
     def abstained(self) -> np.ndarray:
@@ -160,10 +162,26 @@ class SmoothingResult:
         return cols
 
 
+def as_batch(x: torch.Tensor) -> torch.Tensor:
+    """Inputs as a batch [N, ...]: a single image [C, H, W] (3 dimensions) or a single vector [D]
+    (1 dimension) becomes a batch of one; [N, C, H, W] and [N, D] are batches already."""
+    if not torch.is_tensor(x):
+        raise ValueError(f"x must be a tensor: a batch [N, C, H, W] or [N, D], or one input [C, H, W] or [D]; "
+                         f"got {type(x).__name__}")
+    if x.dim() in (1, 3):
+        return x.unsqueeze(0)
+    if x.dim() not in (2, 4) or x.shape[0] == 0:
+        raise ValueError(f"x must be a batch [N, C, H, W] or [N, D] (N > 0), or one input [C, H, W] or [D]; "
+                         f"got shape {tuple(x.shape)}")
+    return x
+
+
 def _labels(y, N: int) -> np.ndarray:
     if y is None:
         return np.full(N, ABSTAIN - 1, dtype=np.int64)  # unknown labels: never "correct"
     y = np.asarray(y.cpu() if torch.is_tensor(y) else y)
+    if y.ndim == 0 and N == 1:
+        y = y.reshape(1)
     if y.shape != (N,):
         raise ValueError(f"y must have shape [{N}], got {tuple(y.shape)}")
     return y.astype(np.int64)
@@ -186,13 +204,15 @@ def certify(base: torch.nn.Module, sigma: float, x: torch.Tensor, y=None, *, n0:
     g(x) and g is constant on the l2 ball of the returned radius. The paper abstains when
     p_A_lower < 1/2; at exactly 1/2 the radius would be 0, which certifies nothing, so we abstain
     there too. ``y`` (optional) are the true labels, for ``correct``/``accuracy``.
+
+    ``x``: a batch [N, C, H, W] / [N, D], or a single input [C, H, W] / [D] (``as_batch``;
+    the result then has one row). The result keeps both count tables (``counts0``, ``counts``).
     """
     sigma = v.positive("sigma", sigma)
     n0 = v.positive_int("n0", n0)
     n = v.positive_int("n", n)
     alpha = v.open_unit("alpha", alpha)
-    if x.dim() < 2 or x.shape[0] == 0:
-        raise ValueError(f"x must be a non-empty batch [N, ...], got shape {tuple(x.shape)}")
+    x = as_batch(x)
     N = x.shape[0]
     y = _labels(y, N)
     counts0 = sample_noise(base, x, n0, sigma, generator=generator, batch_size=batch_size)
@@ -205,7 +225,8 @@ def certify(base: torch.nn.Module, sigma: float, x: torch.Tensor, y=None, *, n0:
     radius = np.where(certified, sigma * norm.ppf(np.where(certified, p_lower, 0.75)), 0.0)
     prediction = np.where(certified, c_a, ABSTAIN).astype(np.int64)
     idx = np.arange(N) if index is None else np.asarray(index)
-    return SmoothingResult(idx, y, prediction, n_a.astype(np.int64), p_lower, radius, sigma, n0, n, alpha)
+    return SmoothingResult(idx, y, prediction, n_a.astype(np.int64), p_lower, radius, sigma, n0, n, alpha,
+                           counts0=counts0, counts=counts)
 
 
 # ----------------------------------------------------------------------------- PREDICT
@@ -219,11 +240,13 @@ def predict(base: torch.nn.Module, sigma: float, x: torch.Tensor, *, n: int = 10
     counts; if BINOMPVALUE(nA, nA + nB, 0.5) <= alpha return c_A, else abstain (ABSTAIN = -1).
 
     Proposition 1 of the paper: the probability that PREDICT returns a class other than g(x) is
-    at most alpha. The p-value is scipy's exact two-sided ``binomtest``.
+    at most alpha. The p-value is scipy's exact two-sided ``binomtest``. ``x`` as in
+    :func:`certify` (a single input gives an array of one prediction).
     """
     sigma = v.positive("sigma", sigma)
     n = v.positive_int("n", n)
     alpha = v.open_unit("alpha", alpha)
+    x = as_batch(x)
     counts = sample_noise(base, x, n, sigma, generator=generator, batch_size=batch_size)
     if counts.shape[1] < 2:
         raise ValueError(f"base must output at least 2 classes, got {counts.shape[1]}")

@@ -271,7 +271,7 @@ def test_evaluate_reports_both_certifiers_and_logs_the_smoothing_table(pixeldp_i
     mech, cfg, (xt, yt) = pixeldp_input_noise
     final = evaluate(mech, cfg, xt, yt)
     m = final["metrics"]
-    for key in ("acc_clean", "cert_acc_0.1", "acc_clean_expected", "epsilon", "smooth_cert_acc_0", "smooth_cert_acc_0.1",
+    for key in ("acc_clean", "cert_acc_0.1", "acc_clean_expected", "robustness_epsilon", "smooth_cert_acc_0", "smooth_cert_acc_0.1",
                 "smooth_cert_acc_0.3", "smooth_acc_clean", "smooth_abstain_rate", "smooth_cert_abstain_rate"):
         assert key in m, key
     res = final["smoothing"]
