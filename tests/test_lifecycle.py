@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from sweeps.cluster_checks import AUTO_GPU_SHARE, ResourcesRefused, resolve_gpu
-
 
 def _uri(tmp_path) -> str:
     return f"sqlite:///{tmp_path}/mlflow.db"
@@ -25,6 +23,8 @@ def _ours(text: str) -> list[str]:
 
 
 def test_auto_gpu_is_zero_without_gpus_and_a_share_with_them():
+    from sweeps.cluster_checks import AUTO_GPU_SHARE, resolve_gpu
+
     assert resolve_gpu("auto", {"CPU": 2.0}, max_concurrent=None, can_autoscale=False) == 0.0
     assert resolve_gpu("auto", {"CPU": 2.0, "GPU": 0.0}, max_concurrent=4, can_autoscale=True) == 0.0
     assert resolve_gpu("auto", {"GPU": 1.0}, max_concurrent=None, can_autoscale=False) == AUTO_GPU_SHARE == 0.25
@@ -35,6 +35,8 @@ def test_auto_gpu_is_zero_without_gpus_and_a_share_with_them():
 
 
 def test_explicit_gpu_without_gpus_is_refused_naming_the_field():
+    from sweeps.cluster_checks import ResourcesRefused, resolve_gpu
+
     with pytest.raises(ResourcesRefused, match=r"^resources\.gpu: 1 GPU\(s\) per trial, but the Ray cluster has no GPU"):
         resolve_gpu(1.0, {"CPU": 2.0}, max_concurrent=None, can_autoscale=False)
     with pytest.raises(ResourcesRefused, match="has 1 GPU"):
