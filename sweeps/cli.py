@@ -344,7 +344,7 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     finish_parent_run(info, summary, "FAILED" if failed else "FINISHED")
     print()
     print(format_table(rows))
-    if any(str(r.get("status", "")).endswith("!") for r in rows):
+    if any(r.get("!") for r in rows):
         print(NOT_LEARNED_LEGEND)
     print()
     if failed:

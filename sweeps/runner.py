@@ -229,8 +229,7 @@ def summarize(result_grid, extra_metrics=()) -> tuple[list[dict], dict[str, floa
             if k.startswith(("acc_", "cert_acc_", "smooth_cert_acc_")) or k in ("epsilon", "delta", *extra_metrics):
                 row[k] = val
         row["status"] = "ERROR" if r.error else ("DONE" if m.get("evaluated") else "STOPPED")
-        if m.get("not_learned") == 1:
-            row["status"] += " !"
+        row["!"] = "!" if m.get("not_learned") == 1 else ""  # did not learn (NOT_LEARNED_LEGEND)
         failed += int(r.error is not None)
         rows.append(row)
     from trainables.registry import REGISTRY  # privacy epsilons only: a robustness epsilon is not one (docs/metrics.md)

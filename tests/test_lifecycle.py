@@ -266,14 +266,17 @@ def test_mechanisms_unknown_name_exits_2_with_did_you_mean(capsys):
 def test_results_table_marks_trials_that_did_not_learn():
     from types import SimpleNamespace
 
-    from sweeps.runner import summarize
+    from sweeps.runner import format_table, summarize
 
     grid = [SimpleNamespace(config={"trainable": "pixeldp", "epsilon": 1.0}, error=None,
                             metrics={"trial_id": "a", "acc_clean": 0.1, "evaluated": 1.0, "not_learned": 1.0}),
             SimpleNamespace(config={"trainable": "pixeldp", "epsilon": 2.0}, error=None,
                             metrics={"trial_id": "b", "acc_clean": 0.9, "evaluated": 1.0, "not_learned": 0.0})]
     rows, _, _ = summarize(grid)
-    assert [r["status"] for r in rows] == ["DONE !", "DONE"]
+    assert [(r["status"], r["!"]) for r in rows] == [("DONE", "!"), ("DONE", "")]  # status stays DONE (selection)
+    table = format_table(rows).splitlines()
+    assert table[0].rstrip().endswith("status  !") and table[2].rstrip().endswith("DONE    !")
+    assert table[3].rstrip().endswith("DONE")
 
 
 def test_asha_on_a_final_metric_is_refused_at_validation(tmp_path, capsys):
