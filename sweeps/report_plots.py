@@ -26,6 +26,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from sweeps.pareto import pareto_front
 from sweeps.report_data import (
@@ -44,6 +45,7 @@ from sweeps.report_data import (
 ACC = re.compile(r"^acc_(fgsm|ifgsm|mim|pgd)_([0-9.eE+-]+)$")
 CERT = re.compile(r"^(smooth_)?cert_acc_([0-9.eE+-]+)$")
 ATTACK_LABEL = {"fgsm": "FGSM", "ifgsm": "I-FGSM", "mim": "MIM", "pgd": "MadryEtAl (PGD)"}
+EPSILON_PARAMS = ("param.epsilon", "param.eps_t")  # the configured epsilon of each trainable
 STAR = dict(marker="*", s=140, color="black", edgecolors="white", linewidths=0.6, zorder=5)
 
 
@@ -113,7 +115,8 @@ def _stars(ax, points, label_done: list) -> None:
         ax.scatter([x], [y], label=None if label_done else "published (spec reference)", **STAR)
         label_done.append(True)
         if text:
-            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6)
+            note = ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6, clip_on=True)
+            note.set_in_layout(False)  # a long label must not squeeze the axes
 
 
 def _save(fig, ax_or_axes, path: Path, legend_fontsize=7) -> None:
@@ -266,15 +269,18 @@ def _with_config_epsilon(trials):
     privacy mechanism, the robustness parameter for PixelDP), the measured one where none is
     configured; NaN for a non-private baseline."""
     df = trials.copy()
-    conf = df["param.epsilon"].map(_num) if "param.epsilon" in df else np.nan
-    meas = df["epsilon"].astype(float) if "epsilon" in df else np.nan
-    df["_eps"] = np.where(np.isfinite(conf), conf, meas) if "param.epsilon" in df else meas
-    df.loc[~np.isfinite(df["_eps"].astype(float)), "_eps"] = np.nan
+    conf = pd.Series(np.nan, index=df.index)
+    for key in EPSILON_PARAMS:  # DPAL configures eps_t, the others epsilon
+        if key in df:
+            conf = conf.where(conf.notna(), df[key].map(_num))
+    meas = df["epsilon"].astype(float) if "epsilon" in df else pd.Series(np.nan, index=df.index)
+    eps = conf.where(np.isfinite(conf.astype(float)), meas).astype(float)
+    df["_eps"] = eps.where(np.isfinite(eps))
     return df
 
 
 def _series_name(row, varying) -> str:
-    name = group_label(row, [c for c in varying if c != "param.epsilon"])
+    name = group_label(row, [c for c in varying if c not in EPSILON_PARAMS])
     return name + ("" if _privacy(row.get("trainable")) else " (x: configured robustness eps)")
 
 
