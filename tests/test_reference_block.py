@@ -113,7 +113,7 @@ def test_a_published_average_over_attacks_is_checked_and_measured():
     assert (mean, n) == (pytest.approx(0.6), 2) and sd == pytest.approx(0.1414, abs=1e-4)
 
 
-@pytest.mark.parametrize("name", ["pixeldp_mnist_certified", "dpal_mnist_fig2", "dpal_mnist_fig4", "dpal_mnist_fig6",
+@pytest.mark.parametrize("name", ["pixeldp_mnist_certified", "dpal_mnist_fig2", "dpal_mnist_fig4", "dpal_mnist_fig6", "dpal_cifar10",
                                   "dpal_paper_baselines"])
 def test_specs_that_reproduce_a_figure_carry_the_published_values(name):
     from pathlib import Path
