@@ -77,8 +77,6 @@ def cmd_validate(args) -> int:
         return EXIT_INVALID
     _warn_spec(spec)
     print(f"{args.spec}: valid ({n} trials, trainables: {', '.join(t.name for t in spec.trainables)})")
-    for warning in spec.warnings:  # validation rules of thumb (e.g. the delta rule): the spec still runs
-        print(f"dpsweep: warning: {warning}", file=sys.stderr, flush=True)
     return EXIT_OK
 
 
@@ -182,8 +180,6 @@ def cmd_run(args) -> int:
               f"{tuning['tuning_delta']:.3g} (one trial: at most {tuning['trial_epsilon_worst']:.4g})", flush=True)
     print(f"sweep {spec.name}: {total} trials of {', '.join(t.name for t in spec.trainables)}; "
           f"storage {storage}; MLflow {tracking_uri} (experiment {spec.mlflow.experiment})", flush=True)
-    for warning in spec.warnings:
-        print(f"dpsweep: warning: {warning}", file=sys.stderr, flush=True)
     if args.dry_run:
         from sweeps.runner import format_table
 
