@@ -214,9 +214,18 @@ def main(argv=None) -> dict:
             if path.exists():
                 log(f"[{row} seed {seed}] already done, skipped")
                 continue
-            result = run_one(row, seed, args.clipping, device)
-            write_result(NAME, result, out=path)
-            write_summary()
+            claim = RUNS / f"{row}_seed{seed}.running"   # another process runs it (delete if stale)
+            try:
+                claim.open("x").close()
+            except FileExistsError:
+                log(f"[{row} seed {seed}] claimed by another process ({claim.name}), skipped")
+                continue
+            try:
+                result = run_one(row, seed, args.clipping, device)
+                write_result(NAME, result, out=path)
+                write_summary()
+            finally:
+                claim.unlink(missing_ok=True)
     speed = None
     if args.speed or args.speed_only:
         modes = args.speed_modes or [m for m in CLIPPING_MODES if m != "flat"]

@@ -71,7 +71,7 @@ from dpmech import _validate as v
 from dpmech.accounting import PrivacyLedger, noise_multiplier_for, subsampled_gaussian_event
 from dpmech._validate import matching_checkpoint
 
-CLIPPING_MODES = ("ghost", "flat")
+CLIPPING_MODES = ("bk", "ghost", "flat")
 OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine", "step")
 ACCOUNTANTS = ("rdp", "pld")
@@ -103,7 +103,7 @@ class DPSGDConfig:
     optimizer: str = "sgd"
     momentum: float = 0.9               # sgd only
     weight_decay: float = 0.0
-    clipping: str = "ghost"             # ghost | flat
+    clipping: str = "ghost"             # ghost | flat (Opacus) | bk (book-keeping, dpmech.clipping)
     noise_augmentation_sigma: float = 0.0
     accountant: str = "rdp"             # accountant of the calibration (both are reported)
     seed: int = 0
@@ -246,6 +246,7 @@ class DPSGDTrainer:
 
         self.gsm = None
         self.criterion = None
+        self.bookkeeper = None
         if config.private:
             self._make_private(base)
         else:
@@ -260,11 +261,18 @@ class DPSGDTrainer:
         from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
         cfg, sigma = self.config, float(self.plan.noise_multiplier)
-        if hasattr(self.model, "autograd_grad_sample_hooks"):
+        if hasattr(self.model, "autograd_grad_sample_hooks") or getattr(self.model, "_dpsweep_bookkeeper", None):
             raise ValueError("model: already has Opacus hooks (another DP-SGD trainer trains it); pass a fresh "
                              "model or call that trainer's close() first")
         common = dict(noise_multiplier=sigma, max_grad_norm=cfg.max_grad_norm, expected_batch_size=cfg.batch_size,
                       loss_reduction="mean", generator=self.noise_gen)
+        if cfg.clipping == "bk":
+            from dpmech.clipping import BookKeeper
+
+            self.bookkeeper = BookKeeper(self.model)
+            self.model._dpsweep_bookkeeper = True
+            self.optimizer = base            # the noisy clipped gradient is written into p.grad
+            return
         if cfg.clipping == "ghost":
             self.gsm = GradSampleModuleFastGradientClipping(
                 self.model, batch_first=True, loss_reduction="mean", max_grad_norm=cfg.max_grad_norm,
@@ -278,6 +286,10 @@ class DPSGDTrainer:
 
     def close(self) -> None:
         """Remove the Opacus hooks from the model (it can then be trained by another trainer)."""
+        if self.bookkeeper is not None:
+            self.bookkeeper.remove()
+            self.model._dpsweep_bookkeeper = False
+            self.bookkeeper = None
         if self.gsm is not None:
             self.gsm.remove_hooks()
             self.gsm = None
@@ -311,6 +323,8 @@ class DPSGDTrainer:
         gradients in flat mode, the clipped sum in ghost mode, the plain gradient in the baseline).
         Returns (logits, per-example losses), detached."""
         cfg = self.config
+        if self.bookkeeper is not None:
+            return self._bk_forward_backward(xb, yb)
         logits = self.forward_train(xb)
         if cfg.private and cfg.clipping == "ghost":
             loss = self.criterion(logits, yb)          # packs both backward passes of ghost clipping
@@ -322,6 +336,34 @@ class DPSGDTrainer:
             loss = per_example.mean() if cfg.private else per_example.sum() / cfg.batch_size
         loss.backward()
         return logits.detach(), per_example.detach()
+
+    def _bk_forward_backward(self, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Book-keeping clipping (:mod:`dpmech.clipping`): one backward pass gives the clipped sum
+        sum_i min(1, C/||g_i||) g_i in ``p.grad``; then Alg. 1's noise N(0, sigma^2 C^2 I) is added
+        and the sum divided by the expected batch size B (as Opacus's DPOptimizer does)."""
+        bk = self.bookkeeper
+        bk.enabled = True
+        try:
+            logits = self.forward_train(xb)
+        finally:
+            bk.enabled = False
+        per_example = F.cross_entropy(logits, yb, reduction="none")
+        bk.clipped_sum(per_example.sum(), self.config.max_grad_norm)
+        self._add_noise_and_scale()
+        return logits.detach(), per_example.detach()
+
+    def _add_noise_and_scale(self) -> None:
+        """p.grad <- (p.grad + N(0, (sigma C)^2 I)) / B for every trainable parameter (book-keeping
+        mode; p.grad None counts as the zero clipped sum), noise from the trainer's noise generator."""
+        std = self.noise_multiplier * self.config.max_grad_norm
+        for group in self.base_optimizer.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                if std > 0:
+                    g = g + std * torch.randn(p.shape, generator=self.noise_gen, device=p.device, dtype=p.dtype)
+                p.grad = g / self.config.batch_size
 
     def train_step(self) -> tuple[int, float, int]:
         """One step of Alg. 1 on a fresh Poisson sample; returns (batch size, summed loss, correct)."""
@@ -362,7 +404,9 @@ class DPSGDTrainer:
         opt = self.optimizer
         self._set_lr()
         self.base_optimizer.zero_grad(set_to_none=True)
-        if self.config.private:
+        if self.bookkeeper is not None:
+            self._add_noise_and_scale()
+        elif self.config.private:
             for p in opt.params:
                 p.summed_grad = torch.zeros_like(p)
             opt.add_noise()

@@ -101,7 +101,7 @@ def test_poisson_sampling_is_real():
 
 
 # ------------------------------------------------------------------ clipping and noise
-@pytest.mark.parametrize("clipping", ["ghost", "flat"])
+@pytest.mark.parametrize("clipping", ["bk", "ghost", "flat"])
 def test_clipped_sum_equals_manual_per_example_clip_and_sum(clipping):
     trainer = tiny_trainer(clipping=clipping, max_grad_norm=0.05)
     idx = torch.arange(16)
@@ -116,7 +116,7 @@ def test_clipped_sum_equals_manual_per_example_clip_and_sum(clipping):
     assert not torch.allclose(got, g.sum(0), atol=1e-3)
 
 
-@pytest.mark.parametrize("clipping", ["ghost", "flat"])
+@pytest.mark.parametrize("clipping", ["bk", "ghost", "flat"])
 def test_every_clipped_per_example_gradient_is_at_most_c(clipping):
     """Each example alone in a batch: the step is its clipped gradient, of norm min(||g_i||, C)."""
     trainer = tiny_trainer(clipping=clipping, max_grad_norm=0.05)
@@ -150,7 +150,7 @@ def test_flat_mode_grad_samples_are_per_example_gradients_and_clip_to_c():
     opt.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("clipping", ["ghost", "flat"])
+@pytest.mark.parametrize("clipping", ["bk", "ghost", "flat"])
 def test_no_noise_and_no_clipping_equals_a_non_private_step(clipping):
     trainer = tiny_trainer(clipping=clipping, max_grad_norm=1e6, lr=0.3, momentum=0.9)
     baseline = tiny_trainer(epsilon=None, noise_multiplier=None, lr=0.3, momentum=0.9)
@@ -168,13 +168,14 @@ def test_no_noise_and_no_clipping_equals_a_non_private_step(clipping):
     assert baseline.privacy()["epsilon"] == math.inf
 
 
-def test_noise_has_std_sigma_c_and_comes_from_the_explicit_generator():
+@pytest.mark.parametrize("clipping", ["bk", "ghost"])
+def test_noise_has_std_sigma_c_and_comes_from_the_explicit_generator(clipping):
     """An empty batch: the update is the noise alone, N(0, (sigma C)^2) per coordinate, / B."""
     def noise(seed, sigma=1.3):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Flatten(), nn.Linear(64, 40))
-        t = tiny_trainer(model=model, noise_multiplier=sigma, max_grad_norm=0.5, seed=seed)
+        t = tiny_trainer(model=model, noise_multiplier=sigma, max_grad_norm=0.5, seed=seed, clipping=clipping)
         return update_times_batch(t, torch.tensor([], dtype=torch.long)), t
 
     z, t = noise(0)
@@ -189,9 +190,10 @@ def test_noise_has_std_sigma_c_and_comes_from_the_explicit_generator():
 
 
 # ------------------------------------------------------------------ ledger and checkpoints
-def test_kill_and_restore_continues_identically():
+@pytest.mark.parametrize("clipping", ["bk", "ghost"])
+def test_kill_and_restore_continues_identically(clipping):
     cfg = dict(noise_multiplier=1.1, max_grad_norm=0.5, epochs=3, optimizer="adam", lr=0.01,
-               noise_augmentation_sigma=0.25)
+               noise_augmentation_sigma=0.25, clipping=clipping, lr_schedule="cosine")
     full = tiny_trainer(**cfg)
     full.fit()
 
