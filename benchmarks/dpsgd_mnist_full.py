@@ -7,8 +7,8 @@ written to ``benchmarks/results/dpsgd_mnist_full_runs/<row>_seed<k>.json`` as so
 a run already there is skipped, so the benchmark survives interruptions and several processes may
 share the rows (``--rows``, ``--seeds``). The summary ``benchmarks/results/dpsgd_mnist_full.json``
 is rebuilt from the run files after every run: ``accuracy.<row>`` = {mean, std, seeds, epsilon_rdp,
-epsilon_pld, ...}. The ``audit_eps_3`` row repeats the epsilon-3 recipe on 59,000 images with
-1,000 canaries (the held-out remainder of the training split) and reports the one-run audit's
+epsilon_pld, ...}. The ``audit_eps_3`` row repeats the epsilon-3 recipe on 59,000 images
+(``--audit-train-size``) with 1,000 canaries (the held-out remainder of the training split) and reports the one-run audit's
 ``epsilon_lower_bound`` (dpmech.audit) against the claim.
 
 Speed (``--speed``, or ``--speed-only``): training images/s of plain (non-private) and DP-SGD
@@ -54,6 +54,7 @@ RECIPES = {
     "non_private": dict(_TB, epsilon=None, epochs=15, lr=0.05),
 }
 AUDIT_ROW = "audit_eps_3"
+AUDIT = {"train_size": 59000, "canaries": 1000}   # --audit-train-size changes the training subset
 PUBLISHED = {"eps_3": 0.981, "eps_2": None, "eps_1": None, "non_private": None}
 TARGETS = {"eps_3": 0.980, "eps_2": 0.973, "eps_1": 0.955}
 
@@ -71,7 +72,7 @@ def run_one(row: str, seed: int, clipping: str, device: torch.device) -> dict:
 
     audit = row == AUDIT_ROW
     recipe = RECIPES["eps_3" if audit else row]
-    train_size = 59000 if audit else None
+    train_size = AUDIT["train_size"] if audit else None
     train, test = load_splits("mnist", train_size=train_size, test_size=None, seed=0)
     x, y = train.tensors
     xt, yt = test.tensors
@@ -80,7 +81,7 @@ def run_one(row: str, seed: int, clipping: str, device: torch.device) -> dict:
         from dpmech.audit import make_canaries
 
         pool = load_held_out("mnist", train_size=train_size, test_size=None, seed=0)
-        canaries = make_canaries(*pool.tensors, 1000, 10, seed)
+        canaries = make_canaries(*pool.tensors, AUDIT["canaries"], 10, seed)
         cx, cy = canaries.members()
         x, y = torch.cat([x, cx]), torch.cat([y, cy])
     cfg = dpsgd_config(recipe, seed, clipping)
@@ -112,6 +113,8 @@ def run_one(row: str, seed: int, clipping: str, device: torch.device) -> dict:
         scores = loss_scores(trainer.model, canaries.x.to(device), canaries.y.to(device))
         out["audit"] = run_audit(scores, canaries.included, guess_fraction=0.2, beta=0.05, delta=recipe["delta"])
         out["audit"]["canaries"] = canaries.m
+        out["audit"]["train_size"] = train_size
+        out["audit"]["epsilon_claim"] = out["epsilon_rdp"]
     log(f"[{row} seed {seed}] done: acc {out['acc_clean']:.4f} eps_rdp {out['epsilon_rdp']} in {seconds:.0f}s")
     return out
 
@@ -197,11 +200,14 @@ def main(argv=None) -> dict:
                     help="seed: every row's seed 0 first, then seed 1, ...; row: all seeds of a row first")
     ap.add_argument("--clipping", default=default_mode, choices=CLIPPING_MODES)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--audit-train-size", type=int, default=AUDIT["train_size"],
+                    help="training images of the audit row (the canaries come from the rest of the split)")
     ap.add_argument("--speed", action="store_true", help="also measure speed after the accuracy runs")
     ap.add_argument("--speed-only", action="store_true", help="only measure speed (no training runs)")
     ap.add_argument("--speed-steps", type=int, default=20)
     ap.add_argument("--speed-modes", nargs="+", default=None, choices=CLIPPING_MODES)
     args = ap.parse_args(argv)
+    AUDIT["train_size"] = args.audit_train_size
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cpu")

@@ -307,3 +307,36 @@ def test_trial_schema_rules():
         with pytest.raises(Exception):
             DPSGDTrialConfig(**bad)
     assert DPSGDTrialConfig(audit_canaries=10).audit_canaries == 10  # the audit applies
+
+
+# ------------------------------------------------------------------ models and recipes (issue 14)
+def test_model_key_builds_the_named_network_and_defaults_to_the_pixeldp_cnn():
+    from dpmech.dp_models import TBMnistCNN
+    from dpmech.models import PixelDPCNN
+    from trainables.dpsgd import DPSGDMechanism, DPSGDTrialConfig
+
+    x, y = torch.rand(64, 1, 28, 28) * 2 - 1, torch.randint(0, 10, (64,))
+    assert DPSGDTrialConfig().model == "pixeldp_cnn"           # the DPAL-paper baseline comparison
+    default = DPSGDMechanism(DPSGDTrialConfig(train_size=64, batch_size=16), x, y, torch.device("cpu"))
+    assert isinstance(default.model, PixelDPCNN)
+    tb = DPSGDMechanism(DPSGDTrialConfig(train_size=64, batch_size=16, model="tb_cnn", clipping="bk"), x, y,
+                        torch.device("cpu"))
+    assert isinstance(tb.model, TBMnistCNN) and sum(p.numel() for p in tb.model.parameters()) == 26010
+    assert tb.model(x[:2]).shape == (2, 10)
+    with pytest.raises(Exception):
+        DPSGDTrialConfig(model="resnet")
+
+
+def test_lr_schedules_follow_the_planned_steps():
+    cfg = DPSGDConfig(lr=0.5, lr_schedule="cosine")
+    assert cfg.lr_at(0, 100) == 0.5 and cfg.lr_at(50, 100) == pytest.approx(0.25) and cfg.lr_at(100, 100) == 0.0
+    step = DPSGDConfig(lr=1.0, lr_schedule="step")
+    assert [step.lr_at(k, 100) for k in (0, 49, 50, 74, 75)] == pytest.approx([1, 1, 0.1, 0.1, 0.01])
+    assert DPSGDConfig(lr=0.3).lr_at(99, 100) == 0.3
+    trainer = tiny_trainer(noise_multiplier=1.0, lr=0.4, lr_schedule="cosine", epochs=2)   # 20 steps
+    for _ in range(10):
+        trainer.train_step()
+    trainer.train_step()                                                                    # step 10 of 20
+    assert trainer.base_optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="^lr_schedule"):
+        DPSGDConfig(lr_schedule="linear")

@@ -6,8 +6,10 @@ Use it in your own study::
     from trainables.dpsgd import dpsgd
     tune.Tuner(dpsgd, param_space={"epsilon": tune.grid_search([1.0, 8.0]), "epochs": 2}).fit()
 
-The model is the PixelDP network without its noise layer (the MNIST CNN; for CIFAR-10 the wide
-ResNet with GroupNorm), so DP-SGD is compared on the same architecture. ``epsilon: null`` trains
+The network is chosen by ``model``: by default the PixelDP network without its noise layer (the
+MNIST CNN; for CIFAR-10 the wide ResNet with GroupNorm), so DP-SGD is compared with the DPAL
+paper's mechanisms on the same architecture; ``tb_cnn`` is Tramer & Boneh 2021's tanh CNN of the
+published DP-SGD recipes (sweeps/dpsgd_mnist_tb.yaml). ``epsilon: null`` trains
 the non-private baseline (no clipping, no noise; epsilon reported as inf). Every key and its
 default: :class:`DPSGDTrialConfig` (``dpsweep mechanisms``); the mechanism: docs/dpsgd.md.
 """
@@ -37,12 +39,20 @@ class DPSGDTrialConfig(CommonConfig):
     batch_size: int = Field(256, gt=0, description="expected batch size; Poisson sampling rate q = batch_size / train_size")
     epochs: int = Field(5, gt=0, description="training epochs of ceil(train_size / batch_size) steps")
     lr: float = Field(0.1, gt=0, allow_inf_nan=False, description="learning rate")
+    lr_schedule: Literal["constant", "cosine", "step"] = Field(
+        "constant", description="learning-rate schedule over the planned steps: constant; cosine (to 0); "
+                                "step (x0.1 after 1/2 and after 3/4 of the steps)")
+    model: Literal["pixeldp_cnn", "tb_cnn", "tb_cnn_gn"] = Field(
+        "pixeldp_cnn", description="network (dpmech.dp_models): pixeldp_cnn = the PixelDP network without its noise "
+                                   "layer (the DPAL paper's baseline comparison); tb_cnn = Tramer & Boneh 2021's tanh "
+                                   "CNN (the published DP-SGD recipes); tb_cnn_gn = tb_cnn with GroupNorm")
     optimizer: Literal["sgd", "adam"] = Field("sgd", description="optimizer applied to the noisy gradient")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="L2 weight decay")
-    clipping: Literal["ghost", "flat"] = Field(
+    clipping: Literal["ghost", "flat", "bk"] = Field(
         "ghost", description="ghost: Opacus ghost clipping (fast, no per-example gradients stored); "
-                             "flat: per-example gradients by hooks, then flat clipping (same result, slower)")
+                             "flat: per-example gradients by hooks, then flat clipping (same result, slower); "
+                             "bk: book-keeping, one backward pass (dpmech.clipping; same result)")
     noise_augmentation_sigma: float = Field(
         0.0, ge=0, allow_inf_nan=False,
         description="std of Gaussian noise added to training inputs ([-1, 1] domain); > 0 makes the model a "
@@ -79,7 +89,8 @@ def dpsgd_config(cfg: DPSGDTrialConfig):
     from dpmech.dpsgd import DPSGDConfig
 
     return DPSGDConfig(epsilon=cfg.epsilon, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
-                       batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr, optimizer=cfg.optimizer,
+                       batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr, lr_schedule=cfg.lr_schedule,
+                       optimizer=cfg.optimizer,
                        momentum=cfg.momentum, weight_decay=cfg.weight_decay, clipping=cfg.clipping,
                        noise_augmentation_sigma=cfg.noise_augmentation_sigma, accountant=cfg.accountant,
                        seed=cfg.seed)
@@ -107,7 +118,7 @@ def _mechanism_class():
 
         def __init__(self, cfg: DPSGDTrialConfig, x, y, device):
             self.sigma = float(cfg.noise_augmentation_sigma)
-            self.trainer = DPSGDTrainer(build_dpsgd_model(cfg.dataset, cfg.seed), x, y, dpsgd_config(cfg),
+            self.trainer = DPSGDTrainer(build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model), x, y, dpsgd_config(cfg),
                                         device=device, plan_size=planned_train_size(cfg))
 
         def privacy(self) -> dict[str, float]:
