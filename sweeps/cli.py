@@ -282,14 +282,16 @@ def mlflow_ui_hint(tracking_uri: str, experiment_id) -> str:
     return f"{_tool('mlflow')} ui --backend-store-uri {tracking_uri}, then open http://127.0.0.1:5000/{page}"
 
 
-def _unfinished(results, total: int | None) -> int:
-    """Trials the sweep has not finished: neither terminated nor errored, or never started."""
+def _unfinished(results, total: int | None) -> tuple[int, int]:
+    """(trials the sweep has not finished: neither terminated nor errored, or never created; trials
+    finished). Ray returns from ``fit`` with unfinished trials only when it was interrupted."""
     trials = list(getattr(results, "_experiment_analysis").trials)
     open_ = sum(t.status not in ("TERMINATED", "ERROR") for t in trials)
-    return open_ + max(0, (total or 0) - len(trials))
+    done = sum(t.status == "TERMINATED" for t in trials)
+    return open_ + max(0, (total or 0) - len(trials)), done
 
 
-def _interrupted(info: dict, exp_dir: str, unfinished: int | None, total: int | None) -> int:
+def _interrupted(info: dict, exp_dir: str, done: int | None, total: int | None) -> int:
     """Ctrl-C: the parent run (and its RUNNING child runs) KILLED; say how to resume."""
     from sweeps.tracking import stop_parent_run
 
@@ -298,7 +300,7 @@ def _interrupted(info: dict, exp_dir: str, unfinished: int | None, total: int | 
         stop_parent_run(info, "KILLED", f"interrupted; resume with: {resume}")
     except Exception as exc:  # noqa: BLE001 - the resume line matters more
         _err(f"could not mark the MLflow parent run KILLED: {exc}")
-    left = f"{unfinished} of {total} trials unfinished; " if unfinished is not None and total else ""
+    left = f"{done} of {total} trials finished; " if done is not None and total else ""
     print(f"dpsweep: interrupted: {left}MLflow parent run {info['parent_run_id']} KILLED; "
           f"continue with: {resume}", file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED
@@ -324,9 +326,9 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
         _err(f"the sweep crashed ({type(exc).__name__}: {first}); MLflow parent run {info['parent_run_id']} "
              f"FAILED; logs under {exp_dir}")
         return EXIT_FAILED
-    unfinished = _unfinished(results, total)
+    unfinished, done = _unfinished(results, total)
     if unfinished:
-        return _interrupted(info, exp_dir, unfinished, total)
+        return _interrupted(info, exp_dir, done, total)
     rows, summary, failed = summarize(results, extra_metrics=[spec.search.metric] if spec.search.metric else [])
     tuning = None
     if spec.tuning_privacy is not None:

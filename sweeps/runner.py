@@ -29,6 +29,9 @@ class ProgressPrinter(tune.Callback):
         self.failed = 0
         self.t0 = time.time()
 
+    def setup(self, **info):
+        self.t0 = time.time()  # also on `dpsweep resume`, which restores the pickled callback
+
     def _say(self, msg: str) -> None:
         # sys.stdout is looked up on each call: the callback is pickled with the experiment state
         print(f"[{time.time() - self.t0:6.0f}s] {msg}", file=sys.stdout, flush=True)
