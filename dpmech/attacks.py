@@ -7,7 +7,13 @@
 * MIM (Dong et al. 2018, "Boosting adversarial attacks with momentum"): I-FGSM along an
   accumulated gradient ``g <- decay * g + grad / ||grad||_1`` (per example).
 * PGD / MadryEtAl (Madry et al. 2018, "Towards deep learning models resistant to adversarial
-  attacks"): I-FGSM from a uniformly random point of the ball.
+  attacks"): I-FGSM from a random point of the ball (l-inf: uniform in the cube; l2: a uniform
+  direction at a radius uniform in [0, eps], as torchattacks' PGDL2 draws it; see
+  ``_random_start``).
+* APGD (Croce & Hein 2020, "Reliable evaluation of adversarial robustness with an ensemble of
+  diverse parameter-free attacks", Alg. 1): PGD with momentum 0.75, step size 2 eps halved at
+  checkpoints when the loss stalls, restarting from the best point; with the cross-entropy
+  (``apgd_ce``) or the difference-of-logits-ratio loss (``apgd_dlr``, their Eq. 5).
 
 Conventions
 -----------
@@ -50,10 +56,10 @@ import torch.nn.functional as F
 
 from dpmech import _validate as v
 
-__all__ = ["ATTACKS", "ALIASES", "NORMS", "fgsm", "ifgsm", "mim", "pgd", "attack",
-           "accuracy_under_attack", "default_step_size"]
+__all__ = ["ATTACKS", "ALIASES", "NORMS", "fgsm", "ifgsm", "mim", "pgd", "apgd", "apgd_ce", "apgd_dlr",
+           "dlr_loss", "apgd_checkpoints", "EOT_AUTO_SAMPLES", "resolve_eot_samples", "attack", "accuracy_under_attack", "default_step_size"]
 
-ATTACKS = ("fgsm", "ifgsm", "mim", "pgd")
+ATTACKS = ("fgsm", "ifgsm", "mim", "pgd", "apgd_ce", "apgd_dlr")
 ALIASES = {"bim": "ifgsm", "i-fgsm": "ifgsm", "madry": "pgd", "madryetal": "pgd"}
 NORMS = ("linf", "l2")
 DEFAULT_DOMAIN = (-1.0, 1.0)
@@ -149,11 +155,15 @@ def _project(delta: torch.Tensor, eps: float, norm: str) -> torch.Tensor:
 
 
 def _random_start(x: torch.Tensor, eps: float, norm: str, domain, generator: torch.Generator) -> torch.Tensor:
-    """A uniformly random point of the eps-ball around ``x``, clamped to the domain.
+    """A random point of the eps-ball around ``x``, clamped to the domain.
 
-    l-inf: each coordinate uniform in [-eps, eps]. l2: a Gaussian direction normalised to unit
-    length, times the radius ``eps * U^(1/d)`` (d the number of input dimensions), which is
-    uniform in the ball's volume. Drawn on the generator's device, then moved to ``x``'s.
+    l-inf: each coordinate uniform in [-eps, eps] (Madry et al.'s start). l2: a Gaussian
+    direction normalised to unit length, times a radius ``eps * U`` uniform in [0, eps] (as
+    torchattacks' PGDL2 does). A point uniform in the ball's *volume* (radius eps U^(1/d)) sits
+    at the boundary in high dimension (d = 784: 99% of the mass beyond 0.994 eps), so every
+    restart begins at the same distance; the radius-uniform start also explores the interior
+    (torchattacks' PGDL2 with it was 0.4-0.9 points stronger at l2 2.0 on an MNIST CNN, issue
+    18; docs/attacks.md). Drawn on the generator's device, then moved to ``x``'s.
     """
     gdev = generator.device
     if norm == "linf":
@@ -163,7 +173,7 @@ def _random_start(x: torch.Tensor, eps: float, norm: str, domain, generator: tor
         d = x[0].numel()
         z = torch.randn(x.shape, generator=generator, device=gdev, dtype=x.dtype)
         r = torch.rand(_per_example(x), generator=generator, device=gdev, dtype=x.dtype)
-        delta = _normalise(z, 2) * (eps * r.pow(1.0 / d))
+        delta = _normalise(z, 2) * (eps * r)
     return (x + delta.to(x.device)).clamp(*domain)
 
 
@@ -324,9 +334,9 @@ def pgd(model, x, y=None, *, eps, steps=10, step_size=None, random_start=True, n
         domain=DEFAULT_DOMAIN, eot_samples=1, generator=None) -> torch.Tensor:
     """Projected gradient descent, MadryEtAl (Madry et al. 2018).
 
-    I-FGSM started from a uniformly random point of the eps-ball around ``x`` (clamped to the
-    domain): uniform per coordinate for l-inf; for l2 a Gaussian direction of radius
-    ``eps * U^(1/d)``. The start is drawn from ``generator`` (a ``torch.Generator``, required
+    I-FGSM started from a random point of the eps-ball around ``x`` (clamped to the domain):
+    uniform per coordinate for l-inf; for l2 a uniform direction at a radius uniform in
+    [0, eps] (``_random_start``). The start is drawn from ``generator`` (a ``torch.Generator``, required
     when ``random_start`` is True; it may live on another device than ``x``). ``step_size``
     defaults to ``2.5 * eps / steps``. With ``random_start=False``, ``steps=1`` and
     ``step_size=eps`` this is exactly :func:`fgsm`.
@@ -345,7 +355,189 @@ def pgd(model, x, y=None, *, eps, steps=10, step_size=None, random_start=True, n
                 steps=steps, step_size=step_size, start_fn=start_fn)
 
 
-_FNS = {"fgsm": fgsm, "ifgsm": ifgsm, "mim": mim, "pgd": pgd}
+# ----------------------------------------------------------------------------- EOT default
+
+# EOT draws per gradient for a model whose forward pass is random, when eot_samples is "auto":
+# where more draws stopped helping on a noise-augmented MNIST CNN (sigma 0.5) under PGD-10
+# (benchmarks/eot_convergence.py, benchmarks/results/eot_convergence.json; docs/attacks.md).
+EOT_AUTO_SAMPLES = 8
+
+
+def resolve_eot_samples(model, x: torch.Tensor, eot_samples) -> int:
+    """``eot_samples`` itself (a positive int), or for ``"auto"``: ``EOT_AUTO_SAMPLES`` when two
+    forward passes of ``model`` on ``x`` differ (a random forward pass), else 1. The global RNG
+    state is restored after the two passes."""
+    if eot_samples == "auto":
+        from dpmech.certify import has_random_forward
+
+        return EOT_AUTO_SAMPLES if has_random_forward(model, x) else 1
+    return v.positive_int("eot_samples", eot_samples)
+
+
+# ----------------------------------------------------------------------------- APGD
+
+
+def dlr_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Difference of logits ratio (Croce & Hein 2020, Eq. 5), per example:
+    -(z_y - max_{i != y} z_i) / (z_pi1 - z_pi3 + 1e-12), z sorted decreasingly (pi1 >= pi2 >= pi3).
+    Invariant to shifting and scaling the logits; needs at least 3 classes."""
+    if logits.shape[1] < 3:
+        raise ValueError(f"the DLR loss needs at least 3 classes, the model has {logits.shape[1]}")
+    z_sorted, _ = logits.sort(dim=1, descending=True)
+    z_y = logits.gather(1, y[:, None]).squeeze(1)
+    other = logits.scatter(1, y[:, None], float("-inf")).amax(dim=1)
+    return -(z_y - other) / (z_sorted[:, 0] - z_sorted[:, 2] + 1e-12)
+
+
+def _per_example_loss(name: str, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if name == "ce":
+        return F.cross_entropy(logits, y, reduction="none")
+    return dlr_loss(logits, y)
+
+
+def apgd_checkpoints(steps: int) -> list[int]:
+    """The checkpoints w_j of Croce & Hein 2020, Sec. 3.2, as AutoAttack computes them: the first
+    after ``p_1 = 0.22`` of the iterations, then each interval shrinks by 0.03 of them down to a
+    minimum of 0.06 (``max(int(f * steps), 1)`` iterations each). Iterations are 1-based: the
+    step size is checked right after iteration w_j."""
+    first, minimum, decrease = max(int(0.22 * steps), 1), max(int(0.06 * steps), 1), max(int(0.03 * steps), 1)
+    out, at, k = [], 0, first
+    while at + k <= steps:
+        at += k
+        out.append(at)
+        k = max(k - decrease, minimum)
+    return out
+
+
+def _loss_value_and_grad(model, x_adv, y, loss_name: str, eot_samples: int, y_max: int):
+    """Per-example loss (mean over ``eot_samples`` passes), its input gradient (mean), and the
+    mean softmax's prediction."""
+    grad = torch.zeros_like(x_adv)
+    loss_sum = probs = None
+    with torch.enable_grad():
+        for _ in range(eot_samples):
+            xa = x_adv.detach().clone().requires_grad_(True)
+            logits = _logits(model, xa)
+            if y_max >= logits.shape[1]:
+                raise ValueError(f"y must hold class indices < {logits.shape[1]} (the model's number of classes), "
+                                 f"got {y_max}")
+            loss = _per_example_loss(loss_name, logits.to(torch.promote_types(logits.dtype, torch.float32)), y)
+            if loss.requires_grad:
+                (g,) = torch.autograd.grad(loss.sum(), xa, allow_unused=True)
+                if g is not None:
+                    grad += g
+            loss = loss.detach()
+            p = F.softmax(logits.detach().float(), dim=1)
+            loss_sum = loss if loss_sum is None else loss_sum + loss
+            probs = p if probs is None else probs + p
+    return loss_sum / eot_samples, grad / eot_samples, probs.argmax(dim=1)
+
+
+def _apgd_project(x: torch.Tensor, x_new: torch.Tensor, eps: float, norm: str, domain) -> torch.Tensor:
+    return (x + _project(x_new - x, eps, norm)).clamp(*domain)
+
+
+def _apgd_run(model, x, y, *, eps, steps, norm, domain, eot_samples, loss_name, start, rho=0.75, momentum=0.75):
+    """Alg. 1 of Croce & Hein (2020), vectorised over the batch (each example has its own step
+    size, best point and checkpoint state), in AutoAttack's form:
+
+    * eta^(0) = 2 eps; x^(1) = P(x^(0) + eta grad) (no momentum on the first step);
+    * z = P(x^(k) + eta dir(grad)); x^(k+1) = P(x^(k) + a (z - x^(k)) + (1 - a)(x^(k) - x^(k-1))),
+      a = 0.75 (dir = sign for l-inf, grad / ||grad||_2 for l2);
+    * at each checkpoint w_j (``apgd_checkpoints``): halve eta and restart from the best point
+      x_max (with its gradient) where Condition 1 (the loss increased in at most rho = 0.75 of
+      the iterations since the last checkpoint) or Condition 2 (eta was not halved at the last
+      checkpoint and the best loss has not improved since) holds.
+
+    Returns (x_best: highest loss seen, fooled: misclassified at some iterate, x_fooled: the last
+    misclassified iterate)."""
+    y_max = int(y.max().item())
+    per = _per_example(x)
+    x_adv = start.clone()
+    loss, grad, pred = _loss_value_and_grad(model, x_adv, y, loss_name, eot_samples, y_max)
+    fooled = pred != y
+    x_fooled = x_adv.clone()
+    x_best, grad_best, loss_best = x_adv.clone(), grad.clone(), loss.clone()
+    step = torch.full((x.shape[0],), 2.0 * eps, device=x.device, dtype=x.dtype)
+    checkpoints = set(apgd_checkpoints(steps))
+    last_check, increased = 0, torch.zeros(x.shape[0], device=x.device)
+    loss_best_at_check = loss_best.clone()
+    reduced_at_check = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    x_prev, loss_prev = x_adv.clone(), loss.clone()
+    for it in range(1, steps + 1):
+        a = 1.0 if it == 1 else momentum
+        z = _apgd_project(x, x_adv + step.view(per) * _direction(grad, norm), eps, norm, domain)
+        x_new = _apgd_project(x, x_adv + a * (z - x_adv) + (1 - a) * (x_adv - x_prev), eps, norm, domain)
+        x_prev, x_adv = x_adv, x_new
+        loss, grad, pred = _loss_value_and_grad(model, x_adv, y, loss_name, eot_samples, y_max)
+        now_fooled = pred != y
+        x_fooled = torch.where(now_fooled.view(per), x_adv, x_fooled)
+        fooled |= now_fooled
+        increased += (loss > loss_prev).float()
+        loss_prev = loss
+        better = loss > loss_best
+        x_best = torch.where(better.view(per), x_adv, x_best)
+        grad_best = torch.where(better.view(per), grad, grad_best)
+        loss_best = torch.where(better, loss, loss_best)
+        if it in checkpoints:
+            cond1 = increased <= rho * (it - last_check)
+            cond2 = ~reduced_at_check & (loss_best_at_check >= loss_best)
+            reduce = cond1 | cond2
+            reduced_at_check = reduce
+            loss_best_at_check = loss_best.clone()
+            step = torch.where(reduce, step / 2, step)
+            x_adv = torch.where(reduce.view(per), x_best, x_adv)
+            grad = torch.where(reduce.view(per), grad_best, grad)
+            increased.zero_()
+            last_check = it
+    return x_best, fooled, x_fooled
+
+
+def apgd(model, x, y=None, *, eps, steps=100, loss="ce", norm="linf", domain=DEFAULT_DOMAIN, eot_samples=1,
+         random_start=True, generator=None) -> torch.Tensor:
+    """Auto-PGD (Croce & Hein 2020, Alg. 1) with the cross-entropy (``loss="ce"``) or the DLR loss
+    (``loss="dlr"``, Eq. 5); ``_apgd_run`` gives the steps.
+
+    Starts from a random point of the ball (``generator`` required, as for :func:`pgd`; l-inf:
+    uniform in the cube, l2: ``_random_start``) or, with ``random_start=False``, from ``x``.
+    ``steps`` defaults to 100 (AutoAttack's standard). With ``eot_samples = k`` the loss and
+    gradient are means over k forward passes and "misclassified" uses the mean softmax.
+    Returns, per example, the last iterate that was misclassified, else the iterate of highest
+    loss (an example never fooled is returned at its worst point, not as the clean input).
+    """
+    eps, norm, domain, eot_samples, y = _prepare(model, x, y, eps, norm, domain, eot_samples)
+    steps = v.positive_int("steps", steps)
+    loss = v.choice("loss", loss, ("ce", "dlr"))
+    if not isinstance(random_start, bool):
+        raise ValueError(f"random_start must be a bool, got {random_start!r}")
+    if random_start and not isinstance(generator, torch.Generator):
+        raise ValueError("generator must be a torch.Generator when random_start is True "
+                         f"(randomized steps take an explicit generator), got {type(generator).__name__}")
+    x = x.detach()
+    if eps == 0:
+        return x.clone()
+    ctx = _modes_preserved(model) if isinstance(model, torch.nn.Module) else nullcontext()
+    with ctx:
+        if y is None:
+            y = _predicted_labels(model, x, eot_samples)
+        start = _random_start(x, eps, norm, domain, generator) if random_start else x.clone()
+        x_best, fooled, x_fooled = _apgd_run(model, x, y, eps=eps, steps=steps, norm=norm, domain=domain,
+                                             eot_samples=eot_samples, loss_name=loss, start=start)
+    return torch.where(fooled.view(_per_example(x)), x_fooled, x_best).detach()
+
+
+def apgd_ce(model, x, y=None, **kwargs) -> torch.Tensor:
+    """APGD with the cross-entropy loss (AutoAttack's APGD-CE); arguments as :func:`apgd`."""
+    return apgd(model, x, y, loss="ce", **kwargs)
+
+
+def apgd_dlr(model, x, y=None, **kwargs) -> torch.Tensor:
+    """APGD with the DLR loss (AutoAttack's APGD-DLR, Croce & Hein 2020 Eq. 5); arguments as :func:`apgd`."""
+    return apgd(model, x, y, loss="dlr", **kwargs)
+
+
+_FNS = {"fgsm": fgsm, "ifgsm": ifgsm, "mim": mim, "pgd": pgd, "apgd_ce": apgd_ce, "apgd_dlr": apgd_dlr}
+_SIGNATURES = {"apgd_ce": apgd, "apgd_dlr": apgd}
 
 
 def _resolve(name) -> str:
@@ -364,8 +556,9 @@ def attack(name: str, model, x, y=None, **kwargs) -> torch.Tensor:
     ``kwargs`` go to the attack (``eps`` is required); an argument the attack does not take
     raises ``ValueError`` naming it.
     """
-    fn = _FNS[_resolve(name)]
-    allowed = set(inspect.signature(fn).parameters) - {"model", "x", "y"}
+    key = _resolve(name)
+    fn = _FNS[key]
+    allowed = set(inspect.signature(_SIGNATURES.get(key, fn)).parameters) - {"model", "x", "y", "loss"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ValueError(f"{unknown[0]} is not a parameter of attack {fn.__name__!r}; "

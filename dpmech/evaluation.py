@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from dpmech import _validate as v
-from dpmech.attacks import ATTACKS, attack
+from dpmech.attacks import ATTACKS, attack, resolve_eot_samples
 from dpmech.certify import CertificationResult, certified_accuracy, monte_carlo
 
 
@@ -51,7 +51,7 @@ ATTACK_LABELS = ("true", "predicted")
 
 def conventional_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *,
                           attacks: dict[str, list[float]] | None = None, norm: str = "linf",
-                          n_predict: int = 1, eot_samples: int = 1, steps: int = 10, batch_size: int = 500,
+                          n_predict: int = 1, eot_samples: int | str = 1, steps: int = 10, batch_size: int = 500,
                           attack_kwargs: dict | None = None, seed: int = 0,
                           attack_labels: str = "true") -> dict[str, float]:
     """``acc_clean`` and ``acc_<attack>_<size>`` for every attack name and size in ``attacks``.
@@ -62,6 +62,13 @@ def conventional_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
     choice against label leaking (Kurakin et al. 2017); on a weak model this attacks the wrong
     class for every misclassified example, and accuracy under attack can exceed clean accuracy.
     Accuracy is measured against the true labels ``y`` in both cases.
+
+    ``acc_worst_<size>``: for every size at which some attack ran, the fraction of examples
+    classified correctly clean *and* under every attack run at that size (the per-example worst
+    case, as AutoAttack reports robust accuracy). ``eot_samples="auto"``: ``EOT_AUTO_SAMPLES``
+    draws per gradient for a model whose forward pass is random, 1 otherwise
+    (``dpmech.attacks.resolve_eot_samples``), reported as ``eot_samples_used``. The iterative
+    attacks ifgsm, mim and pgd run ``steps`` iterations; APGD its own default (100).
     """
     attack_labels = v.choice("attack_labels", attack_labels, ATTACK_LABELS)
     attacks = attacks or {}
@@ -71,8 +78,15 @@ def conventional_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
         for s in sizes:
             v.non_negative("attack size", s)
     y_np = np.asarray(y.cpu() if torch.is_tensor(y) else y)
-    out = {"acc_clean": float((predict(model, x, n_predict=n_predict) == y_np).mean())}
+    clean_ok = predict(model, x, n_predict=n_predict) == y_np
+    out = {"acc_clean": float(clean_ok.mean())}
     device = next(model.parameters()).device
+    if attacks:
+        auto = eot_samples == "auto"
+        eot_samples = resolve_eot_samples(model, x[:1].to(device), eot_samples)
+        if auto:
+            out["eot_samples_used"] = float(eot_samples)
+    worst: dict[str, np.ndarray] = {}
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, sizes in attacks.items():
         for size in sizes:
@@ -82,13 +96,18 @@ def conventional_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
                 yb = torch.as_tensor(y_np[s:s + batch_size], device=device) if attack_labels == "true" else None
                 kwargs = dict(attack_kwargs or {})
                 kwargs.update(eps=float(size), norm=norm, eot_samples=eot_samples)
-                if name != "fgsm":
+                if name in ("ifgsm", "mim", "pgd"):
                     kwargs.setdefault("steps", steps)
-                if name == "pgd":
+                if name in ("pgd", "apgd_ce", "apgd_dlr"):
                     kwargs.setdefault("generator", gen)
                 advs.append(attack(name, model, xb, yb, **kwargs).detach().cpu())
             x_adv = torch.cat(advs)
-            out[metric_name(name, size)] = float((predict(model, x_adv, n_predict=n_predict) == y_np).mean())
+            ok = predict(model, x_adv, n_predict=n_predict) == y_np
+            out[metric_name(name, size)] = float(ok.mean())
+            key = format_size(size)
+            worst[key] = worst.get(key, clean_ok) & ok
+    for key, ok in worst.items():
+        out[f"acc_worst_{key}"] = float(ok.mean())
     return out
 
 

@@ -539,6 +539,7 @@ def reported_metrics(name: str, config: dict) -> set[str]:
         out -= {"epsilon", "delta"}
     for attack, sizes in (config.get("attacks") or {}).items():
         out |= {f"acc_{attack}_{format_size(s)}" for s in sizes}
+        out |= {f"acc_worst_{format_size(s)}" for s in sizes}  # worst case over the attacks at that size
     certifier = config.get("certifier") or "default"
     model = getattr(REGISTRY.get(name), "config_model", None)
     own_certificate = bool(getattr(model, "has_certificate", False))

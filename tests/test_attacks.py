@@ -83,8 +83,13 @@ def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+RANDOM_START = ("pgd", "apgd_ce", "apgd_dlr")
+
+
 def _run(name, model, x, eps, norm, y=None, **kw):
-    if name == "pgd":
+    if name.startswith("apgd"):
+        kw.setdefault("steps", 10)  # APGD's default is 100 (AutoAttack); 10 keeps these tests fast
+    if name in RANDOM_START:
         kw.setdefault("generator", _gen(0))
     return attack(name, model, x, y, eps=eps, norm=norm, **kw)
 
@@ -234,7 +239,7 @@ def test_accuracy_never_increases_with_the_attack_size(trained, name, norm):
     grid = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5) if norm == "linf" else (0.0, 0.25, 0.5, 1.0, 1.5, 2.5)
     accs = []
     for eps in grid:
-        kw = {"generator": _gen(0)} if name == "pgd" else {}
+        kw = {"generator": _gen(0)} if name in RANDOM_START else {}
         accs.append(accuracy_under_attack(model, x, y, name, eps, steps=20, norm=norm, **kw))
     assert all(b <= a for a, b in zip(accs, accs[1:])), accs
     assert accs[0] > 0.95 and accs[-1] < accs[0] - 0.3, accs  # the attacks do bite
@@ -309,18 +314,19 @@ def test_pgd_random_start_is_reproducible_from_the_generator(trained, norm):
     assert torch.equal(state, torch.random.get_rng_state())  # the global generator is not used
 
 
-def test_random_start_is_uniform_in_the_l2_ball():
-    # With a domain far larger than the ball no clamping happens: the radius R of a uniform
-    # point of the d-ball satisfies (R / eps)^d ~ U(0, 1), and its direction is isotropic.
+def test_random_start_l2_radius_is_uniform_in_zero_eps():
+    # torchattacks' PGDL2 start (issue 18): with a domain far larger than the ball no clamping
+    # happens; the radius R is uniform in [0, eps] and the direction isotropic.
     n, d, eps = 4000, 36, 0.7
     x = torch.zeros(n, 1, 6, 6)
     delta = A._random_start(x, eps, "l2", (-10.0, 10.0), _gen(11)) - x
     r = _l2(delta).double()
     assert r.max().item() <= eps + 1e-6
-    assert stats.kstest(((r / eps) ** d).numpy(), "uniform").pvalue > 1e-3
-    # negative control: a radius uniform in [0, eps] (the common mistake) is rejected
-    wrong = torch.rand(n, generator=_gen(12), dtype=torch.float64) * eps
-    assert stats.kstest(((wrong / eps) ** d).numpy(), "uniform").pvalue < 1e-6
+    assert stats.kstest((r / eps).numpy(), "uniform").pvalue > 1e-3
+    # negative control: a point uniform in the ball's volume ((R / eps)^d uniform, the old start)
+    # is rejected: its radius piles up at eps
+    volume = eps * torch.rand(n, generator=_gen(12), dtype=torch.float64) ** (1 / d)
+    assert stats.kstest((volume / eps).numpy(), "uniform").pvalue < 1e-6
     unit = delta.flatten(1) / r.float().view(-1, 1)
     assert unit.mean(0).abs().max().item() < 4 / math.sqrt(n)  # mean direction ~ 0
     # each coordinate of an isotropic unit vector has variance 1/d
@@ -428,7 +434,7 @@ def test_a_zero_gradient_gives_no_step_and_no_nan(name, norm):
     with torch.no_grad():
         const[1].weight.zero_()
     x, _ = _blobs(20, 3)
-    out = _run(name, const, x, 0.2, norm, random_start=False) if name == "pgd" else _run(name, const, x, 0.2, norm)
+    out = _run(name, const, x, 0.2, norm, random_start=False) if name in RANDOM_START else _run(name, const, x, 0.2, norm)
     assert torch.equal(out, x)
     start = pgd(const, x, eps=0.2, norm=norm, generator=_gen(0))
     assert torch.isfinite(start).all()

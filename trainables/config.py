@@ -8,11 +8,11 @@ work, and errors name the key.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-ATTACK_NAMES = ("fgsm", "ifgsm", "mim", "pgd")
+ATTACK_NAMES = ("fgsm", "ifgsm", "mim", "pgd", "apgd_ce", "apgd_dlr")
 
 
 class CommonConfig(BaseModel):
@@ -33,7 +33,9 @@ class CommonConfig(BaseModel):
         "true", description="labels the attacks maximise the loss of: true (the test labels, robust accuracy as the "
         "literature reports it) or predicted (the model's own clean predictions, the DPAL paper's choice against "
         "label leaking); accuracy is always measured against the true labels (docs/metrics.md)")
-    eot_samples: int = Field(1, gt=0, description="noise draws averaged per attack gradient (randomized models)")
+    eot_samples: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        "auto", description="noise draws averaged per attack gradient: a number >= 1, or auto (8 for a model whose forward "
+        "pass is random, detected by two forward passes, 1 otherwise; logged as eot_samples_used; docs/attacks.md)")
     n_predict: int = Field(1, gt=0, description="noise draws averaged per prediction in accuracy metrics")
     certify_n: int = Field(1000, gt=0, description="Monte Carlo noise draws per certified image")
     certify_eta: float = Field(0.95, gt=0, lt=1, description="confidence level of the certification bounds")
