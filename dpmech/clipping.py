@@ -19,8 +19,12 @@ per-example weight gradient is g_i^W = dz_i^T a_i ([p, d]) and the bias gradient
    * *ghost norm* (Goodfellow 2015; Li et al. 2022): ||g_i^W||^2 = sum_{t,s} (a_it . a_is)(dz_it . dz_is),
      cost O(T^2 (p + d)) per example; for T = 1 (a linear layer on vectors) ||a_i||^2 ||dz_i||^2;
    * *instantiation*: g_i^W = dz_i^T a_i, cost O(T p d) per example, then its norm;
-   the rule picks instantiation when T p d <= T^2 (p + d) (``prefer="mixed"``; ``"ghost"`` or
-   ``"inst"`` force one, for the tests). GroupNorm's affine parameters: the per-example
+   the clipped sum then costs O(p d) per example from the instantiated gradients, but another
+   weight-gradient matmul O(T p d) after ghost norms, so instantiation costs O(T p d + p d) and
+   the ghost route O(T^2 (p + d) + T p d): the rule (``prefer="mixed"``) instantiates when
+   p d <= T^2 (p + d) and the B x p x d tensor stays under ``INST_MAX`` floats (memory), else
+   uses ghost norms (Bu et al.'s rule 2 T^2 < p d compares the norm costs alone); ``"ghost"`` or
+   ``"inst"`` force one (tests). GroupNorm's affine parameters: the per-example
    gradients (sum over positions of dz * x_hat, and of dz) are [B, C], always instantiated.
 3. **Clipped sum**: c_i = C / (||g_i|| + 1e-6) capped at 1 (Opacus's factor), and the weight
    gradient of the *re-weighted* output gradients: S^W = sum_i c_i dz_i^T a_i, one matmul per
@@ -43,6 +47,7 @@ import torch.nn.functional as F
 
 SUPPORTED = (nn.Linear, nn.Conv2d, nn.GroupNorm)
 PREFER = ("mixed", "ghost", "inst")
+INST_MAX = 1 << 26      # largest instantiated per-example weight gradient of one layer (B p d floats, 256 MB)
 
 
 def _supported(module: nn.Module) -> bool:
@@ -134,7 +139,7 @@ class BookKeeper:
             def clipped(c):
                 return (g2 * c[:, None]).t().mm(u2).reshape(shape), (None if gb is None else c @ gb)
             return sq, clipped
-        if self.prefer == "inst" or (self.prefer == "mixed" and t * p * d <= t * t * (p + d)):
+        if self.prefer == "inst" or (self.prefer == "mixed" and p * d <= t * t * (p + d) and b * p * d <= INST_MAX):
             inst = torch.bmm(g, u.transpose(1, 2))           # [B, p, d] per-example weight gradients
             sq = sq + inst.reshape(b, -1).pow(2).sum(1)
         else:
