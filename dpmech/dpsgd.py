@@ -8,14 +8,17 @@ One step t of Algorithm 1, as implemented by :meth:`DPSGDTrainer.train_step`:
   (mean N q, variance N q (1 - q)); the privacy analysis (the moments accountant, Abadi et al.
   Thm. 1; subsampled RDP, Mironov, Talwar & Zhang 2019) assumes exactly this sampling.
 * **Per-example gradients and clipping** (lines "compute gradient" and "clip gradient"):
-  g_i <- g_i / max(1, ||g_i||_2 / C) over the flat vector of all parameters (``clipping="flat"``,
-  Opacus hooks compute every g_i) or without materialising the g_i (``clipping="ghost"``, Opacus
-  ghost clipping, Li et al. 2022 / Bu et al. 2023: per-example norms from activations and
-  backprops, then a second backward of sum_i c_i loss_i with c_i = min(1, C / ||g_i||)). Both
-  give the same clipped sum; ghost is the default because it is several times faster.
+  g_i <- g_i / max(1, ||g_i||_2 / C) over the flat vector of all parameters: ``clipping="bk"``
+  (default; book-keeping, Bu et al. 2023, :mod:`dpmech.clipping`: one backward pass to the layer
+  outputs, per-example norms by ghost norms or instantiation per layer, the clipped sum as the
+  weight gradient of the re-weighted output gradients), ``"ghost"`` (Opacus ghost clipping, Li et
+  al. 2022: norms in a first backward, then a second backward of sum_i c_i loss_i with
+  c_i = min(1, C / ||g_i||)) or ``"flat"`` (Opacus hooks compute every g_i). All three give the
+  same clipped sum (tested); bk is the fastest (docs/dpsgd.md, speed table).
 * **Noise** (line "add noise"): g_bar = (sum_i g_i + N(0, sigma^2 C^2 I)) / B with B the
-  *expected* batch size (Opacus's ``loss_reduction="mean"`` with Poisson sampling), noise drawn by
-  the Opacus ``DPOptimizer`` from the trainer's explicit noise generator.
+  *expected* batch size (Opacus's ``loss_reduction="mean"`` with Poisson sampling), noise drawn
+  from the trainer's explicit noise generator (by the trainer in bk mode, by the Opacus
+  ``DPOptimizer`` in ghost and flat modes).
 * **Descent** (line "descent"): the wrapped torch optimizer (SGD with momentum, or Adam; both are
   post-processing of g_bar).
 * **Accounting**: after every step actually taken, ``(q, sigma, 1)`` goes into the
@@ -103,7 +106,7 @@ class DPSGDConfig:
     optimizer: str = "sgd"
     momentum: float = 0.9               # sgd only
     weight_decay: float = 0.0
-    clipping: str = "ghost"             # ghost | flat (Opacus) | bk (book-keeping, dpmech.clipping)
+    clipping: str = "bk"                # bk (book-keeping, dpmech.clipping) | ghost | flat (Opacus)
     noise_augmentation_sigma: float = 0.0
     accountant: str = "rdp"             # accountant of the calibration (both are reported)
     seed: int = 0
