@@ -506,8 +506,8 @@ def _batch(x: torch.Tensor, shape=None) -> torch.Tensor:
         if tuple(x.shape) == tuple(shape):
             return x.unsqueeze(0)
         if tuple(x.shape[1:]) != tuple(shape):
-            raise ValueError(f"x must be one image of shape {tuple(shape)} or a batch [N, {', '.join(map(str, shape))}], "
-                             f"got {tuple(x.shape)}")
+            raise ValueError(f"x must hold images of shape {tuple(shape)}: one image, or a batch "
+                             f"[N, {', '.join(map(str, shape))}]; got {tuple(x.shape)}")
         return x
     if x.dim() == 3:
         return x.unsqueeze(0)
