@@ -56,8 +56,10 @@ class PixelDPMechanism(TrainerMechanism):
 
     def certify(self, x, y, cfg):
         sensitivity = None if cfg.certify_exact_sensitivity else self.model.sensitivity_bound()
+        # the certification noise comes from a generator seeded by the trial seed (never the layer's own)
+        gen = torch.Generator(device=next(self.model.parameters()).device).manual_seed(cfg.seed)
         return certify(self.model, x, y, n=cfg.certify_n, alpha=1.0 - cfg.certify_eta, bounds=cfg.certify_bounds,
-                       sensitivity=sensitivity, calibration=cfg.certify_calibration)
+                       sensitivity=sensitivity, calibration=cfg.certify_calibration, generator=gen)
 
     def smoothing_classifier(self):
         """(base, sigma) for randomized smoothing when the noise is Gaussian and on the input

@@ -134,8 +134,11 @@ def _mechanism_class():
                 sens = whitened_sensitivity(self.model)
             else:
                 sens = 1.0 / float(self.model.noise.r.min()) ** 0.5
+            import torch
+
+            gen = torch.Generator(device=next(self.model.parameters()).device).manual_seed(cfg.seed)
             return certify(self.model, x, y, n=cfg.certify_n, alpha=1.0 - cfg.certify_eta, bounds=cfg.certify_bounds,
-                           sensitivity=sens, calibration=cfg.certify_calibration)
+                           sensitivity=sens, calibration=cfg.certify_calibration, generator=gen)
 
         def smoothing_classifier(self):
             """(model without its noise layer, sigma) when the noise is isotropic on the input."""
