@@ -73,6 +73,17 @@ def check_model(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def _patches(a: torch.Tensor, m: nn.Conv2d) -> torch.Tensor:
+    """The convolution's input patches as a strided view [B, C, H_out, W_out, kh, kw] (what
+    ``F.unfold`` gives, without its per-example im2col loop; one copy happens in the reshape)."""
+    ph, pw = m.padding
+    if ph or pw:
+        a = F.pad(a, (pw, pw, ph, ph))
+    (kh, kw), (sh, sw), (dh, dw) = m.kernel_size, m.stride, m.dilation
+    p = a.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)
+    return p[..., ::dh, ::dw] if (dh > 1 or dw > 1) else p
+
+
 class BookKeeper:
     """Forward hooks saving each supported layer's input and output; :meth:`clipped_sum` then
     computes sum_i min(1, C/||g_i||) g_i into ``p.grad`` of every trainable parameter."""
@@ -119,7 +130,7 @@ class BookKeeper:
         # columns layout: u [B, d, T] (inputs / unfolded patches), g [B, p, T] (output gradients)
         conv = isinstance(m, nn.Conv2d)
         if conv:
-            u = F.unfold(a, m.kernel_size, dilation=m.dilation, padding=m.padding, stride=m.stride)
+            u = _patches(a, m).permute(0, 1, 4, 5, 2, 3).reshape(b, -1, dz.shape[2] * dz.shape[3])   # [B, d, T]
             g = dz.reshape(b, dz.shape[1], -1)
         else:
             u = a.reshape(b, -1, a.shape[-1]).transpose(1, 2)
@@ -141,7 +152,8 @@ class BookKeeper:
             return sq, clipped
         if self.prefer == "inst" or (self.prefer == "mixed" and p * d <= t * t * (p + d) and b * p * d <= INST_MAX):
             inst = torch.bmm(g, u.transpose(1, 2))           # [B, p, d] per-example weight gradients
-            sq = sq + inst.reshape(b, -1).pow(2).sum(1)
+            flat = inst.reshape(b, -1)
+            sq = sq + torch.linalg.vector_norm(flat, dim=1).square()
         else:
             aa = torch.bmm(u.transpose(1, 2), u)             # [B, T, T]
             gg = torch.bmm(g.transpose(1, 2), g)
