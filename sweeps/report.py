@@ -157,7 +157,9 @@ def _privacy_section(sweep: Sweep) -> list[str]:
                 for _, r in audited.iterrows()]
         lines += ["", "### Empirical privacy audits", "",
                   "A lower bound on epsilon from canaries (docs/audit.md): above the claimed epsilon means the "
-                  "claim is wrong.", "", *_md_table(rows)]
+                  "claim is wrong. Each bound holds at its own trial's confidence 1 - `audit_beta` and is not "
+                  f"corrected for the {len(rows)} trial(s) audited here: with k trials a few NO's can be chance; "
+                  "set `audit_beta` to 0.05 / k for a sweep-wide 95% statement.", "", *_md_table(rows)]
     return lines + [""]
 
 
