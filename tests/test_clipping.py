@@ -101,8 +101,8 @@ def test_clipped_sum_equals_per_example_clip_and_sum(name, prefer):
 
 
 def test_cifar_models_with_groupnorm_are_supported():
-    for name in ("tb_cnn", "tb_cnn_gn"):
-        model = build_dp_model(name, "cifar10", seed=0)
+    for name in ("tb_cnn", "tb_cnn_gn", "pixeldp_cnn"):       # pixeldp_cnn: the WRN, BatchNorm -> GroupNorm
+        model = build_dpsgd_model("cifar10", 0, name)
         x = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
         y = torch.tensor([0, 1, 2])
         ref = func_per_example_grads(model, x, y)
