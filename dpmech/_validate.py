@@ -84,3 +84,20 @@ def matching_checkpoint(saved_config, config: dict) -> None:
     """A trainer's checkpoint is restored only into a trainer built with the same configuration."""
     if saved_config != config:
         raise ValueError("checkpoint config does not match this trainer's config")
+
+
+def labels_array(y, n: int, unknown: int):
+    """Labels ``y`` (a tensor, array or sequence; a scalar when ``n == 1``) as an int64 array of
+    shape ``[n]``; ``None`` gives ``unknown`` for every example (a value no prediction equals)."""
+    import numpy as np
+
+    if y is None:
+        return np.full(n, unknown, dtype=np.int64)
+    if hasattr(y, "detach"):
+        y = y.detach().cpu()
+    y = np.asarray(y)
+    if y.ndim == 0 and n == 1:
+        y = y.reshape(1)
+    if y.shape != (n,):
+        raise ValueError(f"y must have shape [{n}], got {tuple(y.shape)}")
+    return y.astype(np.int64)

@@ -515,14 +515,7 @@ def _batch(x: torch.Tensor, shape=None) -> torch.Tensor:
 
 
 def _labels(y, N: int) -> np.ndarray:
-    if y is None:
-        return np.full(N, UNKNOWN_LABEL, dtype=np.int64)
-    y = np.asarray(y.cpu() if torch.is_tensor(y) else y)
-    if y.ndim == 0 and N == 1:
-        y = y.reshape(1)
-    if y.shape != (N,):
-        raise ValueError(f"y must have shape [{N}], got {tuple(y.shape)}")
-    return y.astype(np.int64)
+    return v.labels_array(y, N, UNKNOWN_LABEL)  # unknown labels: never "correct"
 
 
 def certify_counts(counts, y=None, *, alpha: float | None = None, bounds: str = "argmax",

@@ -177,14 +177,7 @@ def as_batch(x: torch.Tensor) -> torch.Tensor:
 
 
 def _labels(y, N: int) -> np.ndarray:
-    if y is None:
-        return np.full(N, ABSTAIN - 1, dtype=np.int64)  # unknown labels: never "correct"
-    y = np.asarray(y.cpu() if torch.is_tensor(y) else y)
-    if y.ndim == 0 and N == 1:
-        y = y.reshape(1)
-    if y.shape != (N,):
-        raise ValueError(f"y must have shape [{N}], got {tuple(y.shape)}")
-    return y.astype(np.int64)
+    return v.labels_array(y, N, ABSTAIN - 1)  # unknown labels: never "correct"
 
 
 # ----------------------------------------------------------------------------- CERTIFY
