@@ -14,6 +14,7 @@ import yaml
 from sweeps.spec import SpecError, load_spec, validate_spec
 from sweeps.spec_space import reported_metrics
 from trainables.registry import REGISTRY
+from tests.test_spec import _error  # one-line SpecError text, shared with the spec tests
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,12 +39,6 @@ def _spec(changes: dict, base: dict = DPSGD) -> dict:
     return raw
 
 
-def _error(raw) -> str:
-    with pytest.raises(SpecError) as info:
-        validate_spec(raw)
-    text = str(info.value)
-    assert "\n" not in text
-    return text
 
 
 def _full(name: str, **values) -> dict:
