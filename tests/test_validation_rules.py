@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sweeps.spec import SpecError, load_spec, validate_spec
+from sweeps.spec import load_spec, validate_spec
 from sweeps.spec_space import reported_metrics
 from trainables.registry import REGISTRY
 from tests.test_spec import _error  # one-line SpecError text, shared with the spec tests
