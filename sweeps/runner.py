@@ -157,7 +157,10 @@ def trial_scheduler(spec):
         return None
     from ray.tune.schedulers import ASHAScheduler
 
-    return ASHAScheduler(time_attr="training_iteration", metric=sch.metric, mode=sch.mode,
+    from sweeps.spec_space import scheduler_metric
+
+    # a final metric (acc_clean) is compared through its per-epoch counterpart (test_acc)
+    return ASHAScheduler(time_attr="training_iteration", metric=scheduler_metric(sch.metric), mode=sch.mode,
                          grace_period=sch.grace_period, reduction_factor=sch.reduction_factor)
 
 

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from sweeps.spec_space import (
     MAX_TRIALS,
+    EPOCH_COUNTERPARTS,
     PER_EPOCH_METRICS,
     SpecError,
     TrainableSpace,
@@ -42,6 +43,7 @@ from sweeps.spec_space import (
     format_size,
     join_path,
     pydantic_rule,
+    scheduler_metric,
     short_repr,
     union_members,
 )
@@ -118,8 +120,9 @@ class SchedulerSection(_Section):
     @model_validator(mode="before")
     @classmethod
     def _default_mode(cls, data):
-        if isinstance(data, dict) and data.get("mode") is None and data.get("metric") in PER_EPOCH_METRICS:
-            data = {**data, "mode": PER_EPOCH_METRICS[data["metric"]]}
+        metric = scheduler_metric(data.get("metric") or "") if isinstance(data, dict) else None
+        if isinstance(data, dict) and data.get("mode") is None and metric in PER_EPOCH_METRICS:
+            data = {**data, "mode": PER_EPOCH_METRICS[metric]}
         return data
 
 
@@ -397,16 +400,26 @@ def _check_scheduler(spec: SweepSpec) -> None:
     sch = spec.scheduler
     if sch.type != "asha":
         return
-    known = ", ".join(PER_EPOCH_METRICS)
+    names = [*PER_EPOCH_METRICS, *EPOCH_COUNTERPARTS]
+    known = ", ".join(PER_EPOCH_METRICS) + "; or " + ", ".join(f"{k} (compared as {v})" for k, v in EPOCH_COUNTERPARTS.items())
     if sch.metric is None:
         raise SpecError(f"scheduler.metric: required for scheduler.type asha (a per-epoch metric: {known})")
-    if sch.metric not in PER_EPOCH_METRICS:
-        raise SpecError(f"scheduler.metric: asha compares per-epoch metrics ({known}), got {sch.metric!r}"
-                        f"{did_you_mean(sch.metric, PER_EPOCH_METRICS)}")
-    better = PER_EPOCH_METRICS[sch.metric]
+    if sch.metric not in names:
+        raise SpecError(f"scheduler.metric: asha compares per-epoch metrics ({known}), got {sch.metric!r}; "
+                        f"a metric reported once per trial has no value at ASHA's rungs"
+                        f"{did_you_mean(sch.metric, names)}")
+    better = PER_EPOCH_METRICS[scheduler_metric(sch.metric)]
     if sch.mode != better:
         raise SpecError(f"scheduler.mode: {sch.metric} is better when {'lower' if better == 'min' else 'higher'}; "
                         f"use {better}, got {sch.mode!r}")
+
+
+def _scheduler_warnings(spec: SweepSpec) -> list[str]:
+    sch = spec.scheduler
+    if sch.type == "none" or not sch.metric or sch.metric not in EPOCH_COUNTERPARTS:
+        return []
+    return [f"scheduler.metric: {sch.metric} is reported once, at the end of a trial; {sch.type} compares its "
+            f"per-epoch counterpart {scheduler_metric(sch.metric)} at each rung"]
 
 
 def _check_resources(spec: SweepSpec) -> None:
@@ -451,7 +464,7 @@ def _check_metrics(spec: SweepSpec) -> None:
     wanted = [("search.metric", s.metric)] if s.metric else []
     wanted += [(f"search.objectives[{j}].metric", o.metric) for j, o in enumerate(s.objectives)]
     sch = spec.scheduler
-    if sch.type != "none" and sch.metric and sch.metric not in PER_EPOCH_METRICS:
+    if sch.type != "none" and sch.metric and scheduler_metric(sch.metric) not in PER_EPOCH_METRICS:
         wanted.append(("scheduler.metric", sch.metric))
     if not wanted:
         return
@@ -636,7 +649,7 @@ def validate_spec(raw: dict) -> SweepSpec:
     _check_metrics(spec)
     _check_certify_images(spec)
     _check_reference(spec)
-    spec._warnings = _delta_warnings(spec)
+    spec._warnings = _delta_warnings(spec) + _scheduler_warnings(spec)
     spec._raw = copy.deepcopy(raw)
     return spec
 

@@ -55,6 +55,15 @@ MECHANISM_METRICS = {
 # Metrics reported after every epoch (what an early-stopping scheduler can compare), and the
 # direction in which each is better.
 PER_EPOCH_METRICS = {"train_loss": "min", "test_acc": "max"}
+# Final metrics with a per-epoch counterpart: an early-stopping scheduler asked for the final one
+# compares the counterpart at its rungs (acc_clean is the clean test accuracy; test_acc measures
+# the same after every epoch, with one noise draw per example for randomized models).
+EPOCH_COUNTERPARTS = {"acc_clean": "test_acc"}
+
+
+def scheduler_metric(metric: str) -> str:
+    """The per-epoch metric an early-stopping scheduler compares for ``metric``."""
+    return EPOCH_COUNTERPARTS.get(metric, metric)
 
 
 # --------------------------------------------------------------------------- errors

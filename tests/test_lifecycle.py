@@ -280,18 +280,39 @@ def test_results_table_marks_trials_that_did_not_learn():
 
 
 def test_asha_on_a_final_metric_is_refused_at_validation(tmp_path, capsys):
-    """ASHA compares trials at rungs (epochs); a final-only metric exists once per trial, after
-    the last epoch, so no rung could compare it: refused with one line (docs/specs.md)."""
+    """ASHA compares trials at rungs (epochs); a final-only metric with no per-epoch counterpart
+    exists once per trial, after the last epoch, so no rung could compare it: refused with one line
+    (docs/specs.md)."""
     import yaml
 
     from sweeps.cli import main
 
     spec = tmp_path / "asha.yaml"
     spec.write_text(yaml.safe_dump({"name": "asha", "trainables": [{"name": "pixeldp"}],
-                                    "scheduler": {"type": "asha", "metric": "acc_clean", "mode": "max"}}))
+                                    "scheduler": {"type": "asha", "metric": "cert_acc_0.1", "mode": "max"}}))
     assert main(["validate", str(spec)]) == 2
     err = _ours(capsys.readouterr().err)
     assert len(err) == 1 and "scheduler.metric: asha compares per-epoch metrics" in err[0]
+
+
+def test_asha_on_acc_clean_compares_test_acc_at_its_rungs(tmp_path, capsys):
+    """acc_clean has a per-epoch counterpart (test_acc): ASHA runs on it, and validate says so."""
+    import yaml
+
+    from sweeps.cli import main
+    from sweeps.runner import trial_scheduler
+    from sweeps.spec import load_spec
+
+    spec = tmp_path / "asha.yaml"
+    spec.write_text(yaml.safe_dump({"name": "asha", "trainables": [{"name": "pixeldp"}],
+                                    "scheduler": {"type": "asha", "metric": "acc_clean"}}))
+    assert main(["validate", str(spec)]) == 0
+    out = capsys.readouterr()
+    assert "compares its per-epoch counterpart test_acc" in out.err + out.out
+    loaded = load_spec(spec)
+    assert loaded.scheduler.mode == "max"
+    sched = trial_scheduler(loaded)
+    assert sched._metric == "test_acc" and sched._mode == "max"
 
 
 def test_mlflow_ui_hint_opens_the_training_view():

@@ -445,9 +445,11 @@ BAD = [
     ("metric not reported", {"search": {"metric": "cert_acc0.1", "mode": "max"}},
      "search.metric: 'cert_acc0.1' is not reported by every trial of 'pixeldp' (did you mean 'cert_acc_0.1'?)"),
     ("asha without metric", {"scheduler": {"type": "asha"}},
-     "scheduler.metric: required for scheduler.type asha (a per-epoch metric: train_loss, test_acc)"),
-    ("asha on a final metric", {"scheduler": {"type": "asha", "metric": "acc_clean"}},
-     "scheduler.metric: asha compares per-epoch metrics (train_loss, test_acc), got 'acc_clean'"),
+     "scheduler.metric: required for scheduler.type asha (a per-epoch metric: train_loss, test_acc; "
+     "or acc_clean (compared as test_acc))"),
+    ("asha on a final-only metric", {"scheduler": {"type": "asha", "metric": "cert_acc_0.1"}},
+     "scheduler.metric: asha compares per-epoch metrics (train_loss, test_acc; or acc_clean (compared as "
+     "test_acc)), got 'cert_acc_0.1'; a metric reported once per trial has no value at ASHA's rungs"),
     ("asha maximising a loss", {"scheduler": {"type": "asha", "metric": "train_loss", "mode": "max"}},
      "scheduler.mode: train_loss is better when lower; use min, got 'max'"),
     ("bad name", {"name": "has space"}, "name: must be letters, digits, '_', '.' or '-' only"),

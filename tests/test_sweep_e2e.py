@@ -216,7 +216,7 @@ def test_optuna_multi_objective_and_asha(tmp_path, ray_local, monkeypatch):
     assert len(lrs) == 3 and all(1e-4 <= lr <= 1e-2 for lr in lrs)
 
     spec = _spec(tmp_path, "asha", [0.5, 1.0, 2.0],
-                 scheduler={"type": "asha", "metric": "test_acc", "mode": "max", "grace_period": 1})
+                 scheduler={"type": "asha", "metric": "acc_clean", "grace_period": 1})  # compared as test_acc
     assert main(["run", str(spec), "--tracking-uri", uri]) == 0
     _, _, children = _runs(uri, "asha")
     assert len(children) == 3
