@@ -215,19 +215,28 @@ def _loss_grad(model, x_adv: torch.Tensor, y: torch.Tensor, eot_samples: int, y_
     before the loss is computed (an out-of-range label is a device-side assert on a GPU).
     """
     total = torch.zeros_like(x_adv)
-    with torch.enable_grad():
-        for _ in range(eot_samples):
-            xa = x_adv.detach().clone().requires_grad_(True)
-            logits = _logits(model, xa)
-            if y_max >= logits.shape[1]:
-                raise ValueError(f"y must hold class indices < {logits.shape[1]} (the model's number of classes), "
-                                 f"got {y_max}")
-            loss = F.cross_entropy(logits, y, reduction="sum")
-            if loss.requires_grad:
-                (g,) = torch.autograd.grad(loss, xa, allow_unused=True)
-                if g is not None:
-                    total += g
+    for _ in range(eot_samples):
+        _, _, g = _one_pass(model, x_adv, y_max, lambda logits: F.cross_entropy(logits, y, reduction="sum"))
+        if g is not None:
+            total += g
     return total / eot_samples if eot_samples > 1 else total
+
+
+def _one_pass(model, x_adv: torch.Tensor, y_max: int, loss_of):
+    """One forward pass at ``x_adv``: the logits, ``loss_of(logits)`` and its gradient with respect
+    to the input (None where the loss does not depend on it). Labels above the model's classes are
+    refused before the loss is computed (an out-of-range label is a device-side assert on a GPU)."""
+    with torch.enable_grad():
+        xa = x_adv.detach().clone().requires_grad_(True)
+        logits = _logits(model, xa)
+        if y_max >= logits.shape[1]:
+            raise ValueError(f"y must hold class indices < {logits.shape[1]} (the model's number of classes), "
+                             f"got {y_max}")
+        loss = loss_of(logits)
+        g = None
+        if loss.requires_grad:
+            (g,) = torch.autograd.grad(loss.sum(), xa, allow_unused=True)
+    return logits.detach(), loss.detach(), g
 
 
 def _iterate(model, x, y, *, eps, steps, step_size, norm, domain, eot_samples, decay=None, start=None):
@@ -414,22 +423,15 @@ def _loss_value_and_grad(model, x_adv, y, loss_name: str, eot_samples: int, y_ma
     mean softmax's prediction."""
     grad = torch.zeros_like(x_adv)
     loss_sum = probs = None
-    with torch.enable_grad():
-        for _ in range(eot_samples):
-            xa = x_adv.detach().clone().requires_grad_(True)
-            logits = _logits(model, xa)
-            if y_max >= logits.shape[1]:
-                raise ValueError(f"y must hold class indices < {logits.shape[1]} (the model's number of classes), "
-                                 f"got {y_max}")
-            loss = _per_example_loss(loss_name, logits.to(torch.promote_types(logits.dtype, torch.float32)), y)
-            if loss.requires_grad:
-                (g,) = torch.autograd.grad(loss.sum(), xa, allow_unused=True)
-                if g is not None:
-                    grad += g
-            loss = loss.detach()
-            p = F.softmax(logits.detach().float(), dim=1)
-            loss_sum = loss if loss_sum is None else loss_sum + loss
-            probs = p if probs is None else probs + p
+    for _ in range(eot_samples):
+        logits, loss, g = _one_pass(
+            model, x_adv, y_max,
+            lambda logits: _per_example_loss(loss_name, logits.to(torch.promote_types(logits.dtype, torch.float32)), y))
+        if g is not None:
+            grad += g
+        p = F.softmax(logits.float(), dim=1)
+        loss_sum = loss if loss_sum is None else loss_sum + loss
+        probs = p if probs is None else probs + p
     return loss_sum / eot_samples, grad / eot_samples, probs.argmax(dim=1)
 
 
