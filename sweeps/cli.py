@@ -82,13 +82,14 @@ def cmd_validate(args) -> int:
 
 def _allowed(field) -> str:
     """The values a config field takes, in words: Literal options, numeric bounds, the type."""
+    import types
     import typing
 
     def describe(tp) -> list[str]:
         origin = typing.get_origin(tp)
         if origin is typing.Literal:
             return [" | ".join(repr(a) for a in typing.get_args(tp))]
-        if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if origin in (typing.Union, types.UnionType):
             return [p for a in typing.get_args(tp) for p in describe(a)]
         if tp is type(None):
             return ["null"]
@@ -122,9 +123,7 @@ def cmd_mechanisms(args) -> int:
         for name in names:
             entry = REGISTRY[name]
             print(f"{entry.name}: {entry.description}")
-            protects = getattr(entry, "epsilon_protects", None)
-            if protects:
-                print(f"epsilon protects: {protects}")
+            print(f"epsilon protects: {entry.epsilon_protects}")
             print()
             rows = [(key, repr(field.get_default(call_default_factory=True)), _allowed(field), field.description or "")
                     for key, field in entry.config_model.model_fields.items()]
