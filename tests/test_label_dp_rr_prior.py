@@ -1,0 +1,208 @@
+"""RRWithPrior / RR-Top-k (dpmech.label_dp_rr_prior, Ghazi et al. 2021 Alg. 1-2) and LP-MST
+(dpmech.label_dp_recipe): exact output probabilities (every ratio <= e^eps, attained), a broken
+variant that the same check rejects, the sampler against the exact probabilities, and the rule
+that the stage-2 prior never reads part 2's labels."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dpmech.label_dp_rr_prior import (
+    matrix_epsilon,
+    rr_prior_choose_k,
+    rr_prior_matrix,
+    rr_top_k,
+    rr_top_k_matrix,
+    rr_with_prior,
+    uniform_prior,
+)
+
+K = 10
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _priors(seed: int, n: int = 40) -> list[np.ndarray]:
+    """Random priors of every shape that matters: Dirichlet of several concentrations, exact ties,
+    one-hot (k* = 1), uniform (k* = K), and a prior with zeros."""
+    rng = np.random.default_rng(seed)
+    out = [rng.dirichlet(np.full(K, a)) for a in (0.05, 0.3, 1.0, 5.0) for _ in range(n // 4)]
+    out += [np.eye(K)[3], np.full(K, 1.0 / K), np.array([0.3, 0.3, 0.3, 0.1] + [0.0] * (K - 4)),
+            np.array([0.25] * 4 + [0.0] * (K - 4)), np.array([0.5, 0.5] + [0.0] * (K - 2))]
+    return out
+
+
+def _ks(priors, eps):
+    return [int(rr_prior_choose_k(torch.tensor(p)[None], eps)[0][0]) for p in priors]
+
+
+@pytest.mark.parametrize("eps", [0.05, 0.5, 1.0, 2.0, 4.0, 10.0, 50.0])
+def test_every_output_ratio_is_at_most_e_eps_and_attained(eps):
+    priors = _priors(int(eps * 100))
+    ks = _ks(priors, eps)
+    assert 1 in ks or eps < 1  # the one-hot prior gives k* = 1 once the objective favours it
+    for p, k in zip(priors, ks):
+        m = rr_prior_matrix(p, eps)
+        assert np.allclose(m.sum(1), 1.0, atol=1e-12)
+        assert (m >= 0).all()
+        got = matrix_epsilon(m)
+        assert got <= eps + 1e-9
+        if k >= 2:
+            assert got == pytest.approx(eps, abs=1e-7)   # RR on the top k spends exactly epsilon
+        else:
+            assert got == 0.0                           # k* = 1: the top label whatever y is
+
+
+def test_k_star_extremes_uniform_one_hot_and_ties():
+    for eps in (0.1, 1.0, 4.0, 20.0):
+        k, _ = rr_prior_choose_k(uniform_prior(3, K), eps)
+        assert k.tolist() == [K] * 3                     # uniform prior: plain K-ary RR (LP-1ST = RR)
+        k, order = rr_prior_choose_k(torch.eye(K)[[2]].double(), eps)
+        assert int(k[0]) == 1 and int(order[0, 0]) == 2
+    # ties broken by the lower class index, deterministically
+    p = torch.tensor([[0.1, 0.3, 0.3, 0.3] + [0.0] * (K - 4)])
+    _, order = rr_prior_choose_k(p, 1.0)
+    assert order[0, :4].tolist() == [1, 2, 3, 0]
+    # k* maximises e^eps/(e^eps+k-1) * P(top k) by brute force
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        q = rng.dirichlet(np.full(K, 0.5))
+        eps = float(rng.uniform(0.1, 6))
+        s = np.sort(q)[::-1].cumsum()
+        obj = [math.exp(eps) / (math.exp(eps) + j) * s[j] for j in range(K)]
+        k = _ks([q], eps)[0]
+        assert obj[k - 1] == pytest.approx(max(obj), rel=1e-9)
+
+
+def test_k_equals_K_matches_plain_rr_matrix():
+    from dpmech.label_dp import rr_keep_prob, rr_output_matrix
+
+    for eps in (0.3, 1.0, 3.0):
+        m = rr_top_k_matrix(list(range(K)), K, eps)
+        assert np.allclose(m, rr_output_matrix(rr_keep_prob(eps, K), K), atol=1e-14)
+
+
+def _broken_top_k_matrix(order_row, k, eps):
+    """Negative control: outside the top k the true label is *kept* with RR's keep probability
+    (the output leaves Y_k), a plausible slip that leaks whether y is in the top k."""
+    m = rr_top_k_matrix(order_row, k, eps)
+    keep = 1.0 / (1.0 + (k - 1) * math.exp(-eps))
+    for y in order_row[k:]:
+        m[y] *= 1.0 - keep
+        m[y, y] = keep
+    return m
+
+
+def _broken_keep_matrix(order_row, k, eps):
+    """Negative control 2: the keep probability of k-ary RR computed with K instead of k."""
+    m = rr_top_k_matrix(order_row, k, eps)
+    keep = math.exp(eps) / (math.exp(eps) + K - 1)
+    top = order_row[:k]
+    for y in top:
+        for o in top:
+            m[y, o] = keep if o == y else (1 - keep) / (k - 1)
+    return m
+
+
+@pytest.mark.parametrize("eps", [0.5, 1.0, 4.0])
+def test_negative_controls_are_rejected(eps):
+    order = [4, 1, 7, 0, 2, 3, 5, 6, 8, 9]
+    for k in (2, 3, 5):
+        assert matrix_epsilon(rr_top_k_matrix(order, k, eps)) <= eps + 1e-12
+        assert matrix_epsilon(_broken_top_k_matrix(order, k, eps)) > eps + 0.1
+        bad = _broken_keep_matrix(order, k, eps)
+        assert np.allclose(bad.sum(1), 1.0)
+        assert matrix_epsilon(bad) < eps - 0.05 or matrix_epsilon(bad) > eps + 0.05  # not the RR it claims
+    # and the sampler's empirical check below rejects the broken sampler too (see the frequency test)
+
+
+def _freq_check(sample_fn, order, k, eps, n=200_000, seed=3):
+    """Chi-square of the sampler's outputs for every true label y against the exact row M[y]."""
+    m = rr_top_k_matrix(order, k, eps)
+    pvals = []
+    for y in range(K):
+        g = torch.Generator().manual_seed(seed * 100 + y)
+        out = sample_fn(torch.full((n,), y, dtype=torch.int64), torch.tensor([order] * n), torch.full((n,), k), eps, g)
+        counts = np.bincount(out.numpy(), minlength=K)
+        support = m[y] > 0
+        assert counts[~support].sum() == 0, f"output outside the support for y={y}"
+        pvals.append(chisquare(counts[support], m[y][support] * n).pvalue if support.sum() > 1 else 1.0)
+    return min(pvals)
+
+
+def test_sampler_frequencies_match_exact_probabilities_and_broken_sampler_fails():
+    order = [4, 1, 7, 0, 2, 3, 5, 6, 8, 9]
+    for k, eps in ((1, 1.0), (3, 1.0), (5, 0.5), (K, 2.0)):
+        assert _freq_check(rr_top_k, order, k, eps) > 1e-4   # fixed seeds; 10 rows each
+
+    def broken(y, order_t, k_t, eps, g):
+        # keeps y with the RR-top-k probability even when y lies outside the top k
+        out = rr_top_k(y, order_t, k_t, eps, g)
+        keep = 1.0 / (1.0 + (k_t - 1) * math.exp(-eps))
+        u = torch.rand(y.shape[0], generator=g, dtype=torch.float64)
+        rank = (order_t == y[:, None]).to(torch.int64).argmax(1)
+        return torch.where((rank >= k_t) & (u < keep), y, out)
+
+    with pytest.raises(AssertionError, match="outside the support"):
+        _freq_check(broken, order, 3, 1.0, n=20_000)
+
+
+def test_large_epsilon_and_generator_determinism():
+    y = torch.arange(K).repeat(100)
+    p = torch.softmax(torch.randn(len(y), K, generator=torch.Generator().manual_seed(0), dtype=torch.float64), 1)
+    a, ka = rr_with_prior(y, p, 800.0, torch.Generator().manual_seed(1))   # e^800 overflows a double
+    b, kb = rr_with_prior(y, p, 800.0, torch.Generator().manual_seed(1))
+    assert torch.equal(a, b) and torch.equal(ka, kb)
+    inside = torch.tensor([int(yy) in rr_prior_choose_k(pp[None], 800.0)[1][0, :int(k)].tolist()
+                           for yy, pp, k in zip(y, p, ka)])
+    assert torch.equal(a[inside], y[inside])                                 # keep prob 1 - O(e^-800)
+
+
+def test_bad_inputs_name_the_field():
+    with pytest.raises(ValueError, match="^epsilon"):
+        rr_with_prior(torch.zeros(2, dtype=torch.int64), uniform_prior(2, K), 0.0, torch.Generator())
+    with pytest.raises(ValueError, match="^prior"):
+        rr_with_prior(torch.zeros(2, dtype=torch.int64), -uniform_prior(2, K), 1.0, torch.Generator())
+    with pytest.raises(ValueError, match="^y must have one label"):
+        rr_with_prior(torch.zeros(3, dtype=torch.int64), uniform_prior(2, K), 1.0, torch.Generator())
+    with pytest.raises(ValueError, match="^generator"):
+        rr_with_prior(torch.zeros(2, dtype=torch.int64), uniform_prior(2, K), 1.0, 0)
+
+
+def test_stage2_prior_reads_no_part2_label():
+    """LP-2ST: the stage-2 prior comes from the stage-1 model on part 2's images; changing every
+    label of part 2 leaves it, and the stage-1 release, unchanged."""
+    from dpmech import label_dp_recipe as rc
+
+    g = torch.Generator().manual_seed(0)
+    n = 300
+    x = torch.rand(n, 1, 28, 28, generator=g) * 2 - 1
+    y = torch.randint(0, K, (n,), generator=g)
+    seen = []
+    real_rr = rc.rr_with_prior
+
+    def spy(yy, prior, eps, gen):
+        seen.append((yy.clone(), prior.clone()))
+        return real_rr(yy, prior, eps, gen)
+
+    cfg = rc.RecipeConfig(epochs=1, batch_size=100, width=4, hidden=8)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(rc._seed(7, 3)))
+    p2 = perm[int(round(0.4 * n)):]
+    y_alt = y.clone()
+    y_alt[p2] = (y[p2] + 1 + torch.randint(0, K - 1, (len(p2),), generator=g)) % K   # every part-2 label changed
+    assert (y_alt[p2] != y[p2]).all()
+    old = rc.rr_with_prior
+    rc.rr_with_prior = spy
+    try:
+        rc.train_label_dp("lp2st", x, y, 1.0, seed=7, cfg=cfg)
+        rc.train_label_dp("lp2st", x, y_alt, 1.0, seed=7, cfg=cfg)
+    finally:
+        rc.rr_with_prior = old
+    (y1a, pr1a), (y2a, pr2a), (y1b, pr1b), (y2b, pr2b) = seen
+    assert torch.equal(y1a, y1b) and torch.equal(pr1a, pr1b)     # stage 1 saw the same labels
+    assert torch.equal(pr2a, pr2b)                                # the stage-2 prior is identical
+    assert not torch.equal(y2a, y2b)                              # although part 2's labels differ
