@@ -33,6 +33,7 @@ class DPGANConfig:
     n_critic: int = 1             # n_d: critic steps per generator step (Alg. 1 inner loop)
     clip_grad: float = 1.0        # c_g: enforced bound on each real example's critic-gradient norm
     clip_weight: float = 0.1      # c_p: critic weights clipped to [-c_p, c_p] (Alg. 1 line 9)
+    clip_fake: bool = True        # clip each fake example's critic gradient to c_g too (no privacy effect)
     lr_critic: float = 1e-3
     lr_generator: float = 1e-3
     optimizer: str = "rmsprop"    # the paper's (and WGAN's) RMSProp, or Adam
@@ -54,6 +55,8 @@ class DPGANConfig:
         v.positive_int("n_critic", self.n_critic)
         v.positive("clip_grad", self.clip_grad)
         v.positive("clip_weight", self.clip_weight)
+        if not isinstance(self.clip_fake, bool):
+            raise ValueError(f"clip_fake must be true or false, got {self.clip_fake!r}")
         v.positive("lr_critic", self.lr_critic)
         v.positive("lr_generator", self.lr_generator)
         v.choice("optimizer", self.optimizer, OPTIMIZERS)

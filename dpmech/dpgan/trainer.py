@@ -34,6 +34,7 @@ import torch
 from torch.func import functional_call, grad_and_value, vmap
 
 from dpmech.accounting import PrivacyLedger
+from dpmech.clipping import BookKeeper
 from dpmech.data import num_classes
 from dpmech.dpgan.config import (DPGANConfig, calibrate_noise, paper_lemma2_epsilon, planned_critic_steps,
                                  sampling_rate, steps_per_epoch)
@@ -70,6 +71,7 @@ class DPGANTrainer:
             self.model = DPGANModel(self.input_shape, self.classes, config.latent_dim, config.hidden,
                                     config.architecture).to(self.device)
         self.generator, self.critic = self.model.generator, self.model.critic
+        self._bk = BookKeeper(self.critic)  # per-example clipping engine (hooks idle unless enabled)
         self._clip_critic_weights()
         opt = torch.optim.RMSprop if config.optimizer == "rmsprop" else torch.optim.Adam
         kw = {} if config.optimizer == "rmsprop" else {"betas": (0.5, 0.9)}
@@ -85,6 +87,8 @@ class DPGANTrainer:
         self.clipped_examples = 0   # real examples whose gradient norm exceeded c_g (diagnostic)
         self.real_examples = 0
         self.last_clipped_norms: torch.Tensor | None = None  # per-example norms after clipping, last step
+        self.last_norms: torch.Tensor | None = None          # ... and before clipping (diagnostics)
+        self.last_real_sum_norm = math.nan                   # ||sum of clipped real gradients||, last step
         # Evaluation: a classifier trained on real, non-training data (dpmech.dpgan.evaluate).
         self._judge_data = judge_data
         self.judge_epochs = judge_epochs
@@ -126,24 +130,57 @@ class DPGANTrainer:
         clipped = {k: g * factor.view(-1, *([1] * (g.dim() - 1))) for k, g in grads.items()}
         return clipped, -neg.detach(), norms.detach(), (norms * factor).detach()
 
+    def _clipped_sum(self, x: torch.Tensor, y: torch.Tensor, sign: float) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """sum_i min(1, c_g / ||g_i||) g_i for the per-example losses sign * f_w(x_i, y_i), by the
+        book-keeping engine (:mod:`dpmech.clipping`, exact; one backward pass). Returns
+        ``(sums by parameter name, scores f_w(x_i, y_i), per-example norms before clipping)``."""
+        params = dict(self.critic.named_parameters())
+        saved = {k: p.grad for k, p in params.items()}
+        for p in params.values():
+            p.grad = None
+        self._bk.enabled = True
+        try:
+            out = self.critic(x, y)
+        finally:
+            self._bk.enabled = False
+        norms = self._bk.clipped_sum(sign * out.sum(), self.config.clip_grad)
+        sums = {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach() for k, p in params.items()}
+        for k, p in params.items():
+            p.grad = saved[k]
+        return sums, out.detach(), norms.detach()
+
     def _noisy_real_gradient(self, xb: torch.Tensor, yb: torch.Tensor):
         """Alg. 1 lines 6-7: (sum of clipped per-example gradients + N(0, (sigma c_g)^2 I)) / m."""
         c_g, sigma = self.config.clip_grad, self.noise_multiplier
         if xb.shape[0] > 0:
-            clipped, scores, before, after = self.clipped_real_gradients(xb, yb)
-            summed = {k: g.sum(0) for k, g in clipped.items()}
-            self.last_clipped_norms = after
+            summed, scores, before = self._clipped_sum(xb, yb, -1.0)
+            self.last_clipped_norms = before * (c_g / (before + 1e-6)).clamp(max=1.0)
+            self.last_norms = before
             self.clipped_examples += int((before > c_g).sum())
             self.real_examples += int(xb.shape[0])
         else:  # an empty Poisson sample still releases noise
             summed = {k: torch.zeros_like(p) for k, p in self.critic.named_parameters()}
             scores = torch.zeros(0, device=self.device)
             self.last_clipped_norms = torch.zeros(0, device=self.device)
+            self.last_norms = torch.zeros(0, device=self.device)
+        self.last_real_sum_norm = float(torch.sqrt(sum(g.pow(2).sum() for g in summed.values())))
         out = {}
         for k, s in summed.items():
             noise = torch.randn(s.shape, generator=self.noise_gen, device=self.device, dtype=s.dtype)
             out[k] = (s + sigma * c_g * noise) / self.expected_batch
         return out, scores
+
+    def _fake_gradient(self, xf: torch.Tensor, yf: torch.Tensor):
+        """The fake term's gradient, d/dw mean_j f_w(G(z_j), y'_j). With ``clip_fake`` each fake
+        example's gradient is clipped to c_g as well (Xie et al.'s Lemma 1 bounds the gradient of the
+        whole critic loss by c_g), so the real and fake terms enter on the same scale; no noise, as it
+        reads no real data (docs/dpgan.md, "Why it did not learn")."""
+        params = list(self.critic.parameters())
+        if self.config.clip_fake:
+            sums, scores, _ = self._clipped_sum(xf, yf, 1.0)
+            return [sums[k] / xf.shape[0] for k, _ in self.critic.named_parameters()], scores.mean()
+        fake_mean = self.critic(xf, yf).mean()
+        return list(torch.autograd.grad(fake_mean, params)), fake_mean.detach()
 
     def critic_step(self) -> dict[str, float]:
         """One critic step (Alg. 1 lines 4-9); returns the critic loss and Wasserstein estimate."""
@@ -153,12 +190,14 @@ class DPGANTrainer:
         with torch.no_grad():
             xf = self.generator(z, yf)
         params = list(self.critic.parameters())
-        fake_mean = self.critic(xf, yf).mean()
-        fake_grads = torch.autograd.grad(fake_mean, params)
         if cfg.private:
             real_grads, scores = self._noisy_real_gradient(xb, yb)
             real_grads = [real_grads[k] for k, _ in self.critic.named_parameters()]
-        else:  # the plain WGAN baseline: gradient of -mean f(real)
+            fake_grads, fake_mean = self._fake_gradient(xf, yf)
+        else:  # the plain WGAN baseline: gradient of mean f(fake) - mean f(real)
+            fake_mean = self.critic(xf, yf).mean()
+            fake_grads = torch.autograd.grad(fake_mean, params)
+            fake_mean = fake_mean.detach()
             if xb.shape[0] > 0:
                 out = self.critic(xb, yb)
                 real_grads = torch.autograd.grad(-out.mean(), params)
