@@ -51,6 +51,8 @@ MECHANISM_METRICS = {
     "label_dp": ("label_keep_rate", "analytic_keep_prob", "label_epsilon"),
     "dpgan": ("tstr_acc", "sample_quality", "sample_confidence", "classifier_score", "judge_acc", "epsilon_pld",
               "epsilon_paper_lemma2", "noise_multiplier", "sampling_rate", "critic_steps", "generator_steps"),
+    "dp_merf": ("tstr_acc", "sample_quality", "sample_confidence", "classifier_score", "judge_acc", "epsilon_pld",
+                "noise_multiplier", "sensitivity", "noisy_count", "generator_steps"),
 }
 # Metrics reported after every epoch (what an early-stopping scheduler can compare), and the
 # direction in which each is better.

@@ -14,6 +14,8 @@ from typing import Callable
 from trainables import secure_sgd as _secure_sgd
 from trainables.adlm import AdLMTrialConfig
 from trainables.config import CommonConfig, DPALTrialConfig, PixelDPTrialConfig
+from trainables.dp_merf import PRIVACY_KEYS as DP_MERF_PRIVACY_KEYS
+from trainables.dp_merf import DPMERFTrialConfig
 from trainables.dpgan import DPGANTrialConfig
 from trainables.dpsgd import PRIVACY_KEYS as DPSGD_PRIVACY_KEYS
 from trainables.dpsgd import DPSGDTrialConfig
@@ -81,6 +83,14 @@ REGISTRY: dict[str, TrainableEntry] = {
         epsilon_protects="training examples (RDP/PLD ledger of the critic's steps)",
         privacy_event="trainables.dpgan:privacy_event",
         privacy_keys=("epsilon", "delta", "epochs", "batch_size", "train_size", "dataset")),
+    "dp_merf": TrainableEntry(
+        "dp_merf", "trainables.dp_merf:dp_merf", DPMERFTrialConfig,
+        "DP-MERF (Harder et al. 2021): one Gaussian release of the random-Fourier-feature mean embedding of (image, "
+        "label) pairs (sensitivity 1 with a noisy-count coordinate), a conditional generator matched to it with no "
+        "further data access; evaluated by train-on-synthetic accuracy (docs/dp_merf.md).",
+        epsilon_protects="training examples (one Gaussian release, RDP/PLD)",
+        privacy_event="trainables.dp_merf:privacy_event",
+        privacy_keys=DP_MERF_PRIVACY_KEYS),
     "dpsgd": TrainableEntry(
         "dpsgd", "trainables.dpsgd:dpsgd", DPSGDTrialConfig,
         "DP-SGD (Abadi et al. 2016) through Opacus: Poisson sampling, per-example clipping (ghost or flat), "
