@@ -15,7 +15,8 @@ uses the same net with one output and no mixup.
 LP-MST with T = 2 (``lp2st``): the training set is split at random (the split uses no label) into
 part 1 (``stage1_fraction``) and part 2. Stage 1 releases part 1's labels with RRWithPrior under
 the uniform prior (= K-ary RR) and trains a model on them. Stage 2 takes as prior that model's
-softmax on part 2's images, releases part 2's labels with RRWithPrior, and trains on part 1 and part
+softmax on part 2's images (``prior_mode="denoised"``, the default: with stage 1's known RR channel
+inverted, ``denoise_rr_prior``; ``"softmax"``: as is), releases part 2's labels with RRWithPrior, and trains on part 1 and part
 2 together with their released labels (Alg. 3 trains stage t on S^(1) u ... u S^(t)), starting from
 the stage-1 weights (``stage2_init="stage1"``, post-processing of the stage-1 release; or
 ``"scratch"``). Every label is released exactly once, so the whole run is epsilon-label-DP
@@ -39,6 +40,23 @@ from dpmech.label_dp_rr_prior import rr_with_prior, uniform_prior
 
 METHODS = ("none", "laplace", "rr", "lp1st", "lp2st")
 STAGE2_INIT = ("stage1", "scratch")
+PRIOR_MODES = ("denoised", "softmax")
+
+
+def denoise_rr_prior(p_noisy: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """The stage-1 model learns P(released label | x), which K-ary RR flattens:
+    ``p_noisy = q + (keep - q) p_clean`` with keep = e^eps/(e^eps+K-1), q = (1-keep)/(K-1).
+    Inverting that known channel, ``p_clean = max(0, (p_noisy - q) / (keep - q))`` renormalised,
+    gives the prior of the true label (post-processing of the stage-1 release: no privacy cost;
+    our choice, docs/label_dp.md "LP-MST")."""
+    epsilon = v.positive("epsilon", epsilon)
+    k = p_noisy.shape[1]
+    t = (k - 1) * math.exp(-epsilon)
+    keep = 1.0 / (1.0 + t)
+    q = (1.0 - keep) / (k - 1)
+    clean = ((p_noisy.double() - q) / (keep - q)).clamp_min(0.0)
+    s = clean.sum(1, keepdim=True)
+    return torch.where(s > 0, clean / s.clamp_min(1e-300), torch.full_like(clean, 1.0 / k))
 
 
 class RecipeCNN(nn.Module):
@@ -72,8 +90,10 @@ class RecipeConfig:
     mixup_alpha: float = 4.0       # 0: no mixup
     width: int = 16
     hidden: int = 128
+    optimizer: str = "sgd"         # "sgd" (momentum, the recipe) or "adam" (the seed's; regression)
 
     def __post_init__(self):
+        v.choice("optimizer", self.optimizer, ("sgd", "adam"))
         v.positive_int("epochs", self.epochs)
         v.positive_int("batch_size", self.batch_size)
         v.positive("lr", self.lr)
@@ -113,8 +133,11 @@ class RecipeRun:
                  *, regression: bool = False):
         self.model, self.x, self.labels, self.cfg = model, x, labels, cfg
         self.regression = regression
-        self.opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                   weight_decay=cfg.weight_decay)
+        if cfg.optimizer == "adam":
+            self.opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+        else:
+            self.opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                       weight_decay=cfg.weight_decay)
         self.gen = torch.Generator().manual_seed(int(seed))                 # order and mixup partners
         self.beta = np.random.default_rng(int(seed))                        # mixup's lambda
         self.nb = math.ceil(x.shape[0] / cfg.batch_size)
@@ -181,7 +204,7 @@ class MSTResult:
 def train_label_dp(method: str, x: torch.Tensor, y: torch.Tensor, epsilon: float | None, *, seed: int,
                    cfg: RecipeConfig, num_classes: int = 10, task: str = "classification",
                    stage1_fraction: float = 0.4, stage1_epochs: int | None = None,
-                   stage2_init: str = "stage1", log=None) -> MSTResult:
+                   stage2_init: str = "stage1", prior_mode: str = "denoised", log=None) -> MSTResult:
     """Release the labels of (x, y) with ``method`` at ``epsilon`` and train with the recipe.
 
     method: none (true labels), laplace / rr (the seed's release, ``dpmech.label_dp.release_labels``,
@@ -195,6 +218,7 @@ def train_label_dp(method: str, x: torch.Tensor, y: torch.Tensor, epsilon: float
     v.choice("method", method, METHODS)
     v.choice("task", task, ("classification", "regression"))
     v.choice("stage2_init", stage2_init, STAGE2_INIT)
+    v.choice("prior_mode", prior_mode, PRIOR_MODES)
     if method != "none":
         v.positive("epsilon", epsilon)
     if task == "regression" and method not in ("none", "laplace"):
@@ -214,7 +238,7 @@ def train_label_dp(method: str, x: torch.Tensor, y: torch.Tensor, epsilon: float
                 log(f"    {tag} epoch {e + 1}/{c.epochs} loss {loss:.4f} ({time.perf_counter() - t0:.0f} s)")
         return model
 
-    lab_gen = torch.Generator().manual_seed(_seed(seed, 2))
+    lab_gen = torch.Generator().manual_seed(_seed(seed, 2 if method.startswith("lp") else 6))
     if method in ("none", "laplace", "rr"):
         rel = release_labels(y, num_classes=num_classes, task=task, mechanism=method,
                              epsilon=None if method == "none" else epsilon, generator=lab_gen)
@@ -239,11 +263,13 @@ def train_label_dp(method: str, x: torch.Tensor, y: torch.Tensor, epsilon: float
     c1 = RecipeConfig(**{**cfg.to_dict(), "epochs": stage1_epochs or cfg.epochs})
     m1 = fit(make_model(cfg, x.shape[1:], out_dim, _seed(seed, 0)), x[p1], lab1, c1, _seed(seed, 1), "stage1")
     prior = torch.softmax(predict(m1, x[p2]).double(), dim=1)        # images of part 2 only
+    if prior_mode == "denoised":
+        prior = denoise_rr_prior(prior, epsilon)
     lab2, kstar = rr_with_prior(y[p2], prior, epsilon, lab_gen)
     info.update({"stage1_size": n1, "stage1_keep_rate": float((lab1 == y[p1]).float().mean()),
                  "stage1_acc_part2": float((prior.argmax(1) == y[p2]).float().mean()),
                  "stage2_keep_rate": float((lab2 == y[p2]).float().mean()),
-                 "mean_k": float(kstar.double().mean()), "stage2_init": stage2_init})
+                 "mean_k": float(kstar.double().mean()), "stage2_init": stage2_init, "prior_mode": prior_mode})
     info["label_keep_rate"] = (info["stage1_keep_rate"] * n1 + info["stage2_keep_rate"] * (n - n1)) / n
     if stage2_init == "stage1":
         m2 = m1
