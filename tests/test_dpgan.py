@@ -264,3 +264,57 @@ def test_trial_schema_and_planned_privacy_event():
     cfg = DPGANTrialConfig(epsilon=1.0, train_size=1000, batch_size=100, epochs=1)
     eps = event_epsilon(entry.privacy_event_fn(cfg), 1e-5)
     assert 0.99 < eps <= 1.0
+
+
+# ------------------------------------------------------------------ issue 17: fake-term clipping, EMA
+def _per_example_grads(tr, x, y, sign):
+    """Reference per-example gradients of sign * f_w(x_i, y_i) by plain autograd, one at a time."""
+    out = []
+    for i in range(x.shape[0]):
+        tr.critic.zero_grad()
+        (sign * tr.critic(x[i:i + 1], y[i:i + 1]).sum()).backward()
+        out.append(torch.cat([p.grad.flatten().clone() for p in tr.critic.parameters()]))
+    tr.critic.zero_grad(set_to_none=True)
+    return torch.stack(out)
+
+
+def test_fake_gradient_is_the_mean_of_per_example_gradients_clipped_to_cg():
+    tr = _trainer(clip_grad=0.05)
+    z, yf = tr._latent(6)
+    with torch.no_grad():
+        xf = tr.generator(z, yf)
+    ref = _per_example_grads(tr, xf, yf, 1.0)
+    assert (ref.norm(dim=1) > 0.05).any()          # the bound is active
+    clipped = ref * (0.05 / (ref.norm(dim=1, keepdim=True) + 1e-6)).clamp(max=1.0)
+    grads, _ = tr._fake_gradient(xf, yf)
+    torch.testing.assert_close(torch.cat([g.flatten() for g in grads]), clipped.mean(0), rtol=1e-4, atol=1e-7)
+    # negative control: clip_fake off gives the unclipped mean, which differs
+    tr.config.clip_fake = False
+    grads, _ = tr._fake_gradient(xf, yf)
+    torch.testing.assert_close(torch.cat([g.flatten() for g in grads]), ref.mean(0), rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(ref.mean(0), clipped.mean(0), atol=1e-6)
+
+
+def test_real_clipped_sum_by_the_engine_matches_per_example_reference():
+    tr = _trainer(clip_grad=0.05)
+    xb, yb = tr._x[:5], tr._y[:5]
+    ref = _per_example_grads(tr, xb, yb, -1.0)
+    clipped = ref * (0.05 / (ref.norm(dim=1, keepdim=True) + 1e-6)).clamp(max=1.0)
+    sums, _, norms = tr._clipped_sum(xb, yb, -1.0)
+    torch.testing.assert_close(norms, ref.norm(dim=1), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.cat([sums[k].flatten() for k, _ in tr.critic.named_parameters()]),
+                               clipped.sum(0), rtol=1e-4, atol=1e-6)
+
+
+def test_generator_ema_is_an_average_of_the_iterates_and_makes_the_samples():
+    tr = _trainer(ema=0.9)
+    before = [p.detach().clone() for p in tr.generator_ema.parameters()]
+    tr.critic_step()
+    tr.generator_step()
+    for pe, p0, p in zip(tr.generator_ema.parameters(), before, tr.generator.parameters()):
+        torch.testing.assert_close(pe, 0.9 * p0 + 0.1 * p.detach())
+    labels = torch.arange(10)
+    z = torch.randn(10, tr.config.latent_dim, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(tr.sample(labels, seed=7), tr.generator_ema(z, labels))
+    assert not torch.allclose(tr.sample(labels, seed=7), tr.generator(z, labels))
+    assert _trainer().generator_ema is None   # ema 0: the last iterate samples

@@ -71,6 +71,7 @@ class DPGANTrainer:
             self.model = DPGANModel(self.input_shape, self.classes, config.latent_dim, config.hidden,
                                     config.architecture).to(self.device)
         self.generator, self.critic = self.model.generator, self.model.critic
+        self.generator_ema = copy.deepcopy(self.generator).requires_grad_(False) if config.ema > 0 else None
         self._bk = BookKeeper(self.critic)  # per-example clipping engine (hooks idle unless enabled)
         self._clip_critic_weights()
         opt = torch.optim.RMSprop if config.optimizer == "rmsprop" else torch.optim.Adam
@@ -230,7 +231,17 @@ class DPGANTrainer:
         loss.backward(inputs=list(self.generator.parameters()))
         self.generator_opt.step()
         self.generator_steps += 1
+        if self.generator_ema is not None:
+            self._update_ema()
         return loss.item()
+
+    @torch.no_grad()
+    def _update_ema(self) -> None:
+        """G_ema <- d G_ema + (1 - d) G after every generator step (Polyak averaging of the generator's
+        iterates, Yazici et al. 2019): a function of the generator iterates only, post-processing."""
+        d = self.config.ema
+        for pe, p in zip(self.generator_ema.parameters(), self.generator.parameters()):
+            pe.mul_(d).add_(p, alpha=1 - d)
 
     # -------------------------------------------------------------- training
     def train_epoch(self, progress=None) -> dict[str, float]:
@@ -261,8 +272,13 @@ class DPGANTrainer:
         for s in range(0, labels.shape[0], batch_size):
             yb = labels[s:s + batch_size]
             z = torch.randn(yb.shape[0], self.config.latent_dim, generator=gen, device=self.device)
-            out.append(self.generator(z, yb))
+            out.append(self.sampler(z, yb))
         return torch.cat(out) if out else torch.zeros(0, *self.input_shape, device=self.device)
+
+    @property
+    def sampler(self) -> torch.nn.Module:
+        """The network that makes the released samples: the generator's EMA when ``ema`` > 0."""
+        return self.generator if self.generator_ema is None else self.generator_ema
 
     @torch.no_grad()
     def critic_scores(self, x: torch.Tensor, y: torch.Tensor, batch_size: int = 2000) -> torch.Tensor:
@@ -325,6 +341,7 @@ class DPGANTrainer:
             "n": self.n,
             "noise_multiplier": self.noise_multiplier,
             "model": self.model.state_dict(),
+            "generator_ema": None if self.generator_ema is None else self.generator_ema.state_dict(),
             "critic_opt": self.critic_opt.state_dict(),
             "generator_opt": self.generator_opt.state_dict(),
             "sample_gen": self.sample_gen.get_state(),
@@ -344,6 +361,8 @@ class DPGANTrainer:
         if float(state["noise_multiplier"]) != self.noise_multiplier:
             raise ValueError("checkpoint noise_multiplier does not match this trainer's calibration")
         self.model.load_state_dict(state["model"])
+        if self.generator_ema is not None:
+            self.generator_ema.load_state_dict(state["generator_ema"])
         self.critic_opt.load_state_dict(state["critic_opt"])
         self.generator_opt.load_state_dict(state["generator_opt"])
         self.sample_gen.set_state(state["sample_gen"].cpu())
