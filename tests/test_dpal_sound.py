@@ -245,3 +245,29 @@ def test_certificate_is_randomized_smoothing_and_linf_is_l2_over_sqrt_d():
     for s in (0.01, 0.02):
         assert out[f"cert_linf_acc_{s}"] == pytest.approx(float((ok & (radius >= s * 8)).mean()))  # sqrt(64) = 8
     assert set(out) >= {"acc_clean_smoothed", "acc_pgd_0.2", "cert_abstain_rate"}
+
+
+def test_trainable_runs_a_trial_and_reports_its_metrics(monkeypatch):
+    """The dpal_sound trainable end to end on 512 MNIST images (Ray's report patched): its metrics are
+    the ones the registry lists, epsilon is the ledger's and equals the planned event's."""
+    from ray import tune
+
+    from dpmech.accounting import epsilon as eps_of
+    from sweeps.spec_space import reported_metrics
+    from trainables.dpal_sound import DPALSoundTrialConfig, dpal_sound, privacy_event
+
+    reports = []
+    monkeypatch.setattr(tune, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(tune, "get_context", lambda: None)
+    monkeypatch.setattr(tune, "report", lambda metrics, checkpoint=None: reports.append(metrics))
+    config = {"epochs": 1, "train_size": 512, "test_size": 64, "batch_size": 64, "certify_images": 16,
+              "certify_n": 50, "n_predict": 20, "attack_images": 8, "attack_steps": 2, "eot_samples": 2,
+              "attacks": {"pgd": [0.2], "fgsm": [0.2]}}
+    dpal_sound(config)
+    final = reports[-1]
+    full = {"trainable": "dpal_sound", **DPALSoundTrialConfig(**config).model_dump()}
+    missing = reported_metrics("dpal_sound", full) - set(final)
+    assert not missing, missing
+    assert final["epsilon"] == pytest.approx(eps_of(privacy_event(DPALSoundTrialConfig(**config)), 1e-5, "rdp"))
+    assert final["epsilon"] <= 2.0 and final["steps"] == 8
+    assert 0 <= final["acc_worst_0.2"] <= min(final["acc_pgd_0.2"], final["acc_fgsm_0.2"])

@@ -16,6 +16,9 @@ from trainables.adlm import AdLMTrialConfig
 from trainables.config import CommonConfig, DPALTrialConfig, PixelDPTrialConfig
 from trainables.dp_merf import PRIVACY_KEYS as DP_MERF_PRIVACY_KEYS
 from trainables.dp_merf import DPMERFTrialConfig
+from trainables.dpal_sound import METRICS as DPAL_SOUND_METRICS
+from trainables.dpal_sound import PRIVACY_KEYS as DPAL_SOUND_PRIVACY_KEYS
+from trainables.dpal_sound import DPALSoundTrialConfig
 from trainables.dpgan import DPGANTrialConfig
 from trainables.dpsgd import PRIVACY_KEYS as DPSGD_PRIVACY_KEYS
 from trainables.dpsgd import DPSGDTrialConfig
@@ -38,6 +41,8 @@ class TrainableEntry:
     # (its epsilon is a robustness parameter, logged as robustness_epsilon*).
     epsilon_protects: str = "training examples"
     privacy_epsilon: bool = True
+    # Final metrics of this trainable beyond the generic ones (sweeps.spec_space.reported_metrics reads it)
+    metrics: tuple[str, ...] = ()
 
     @property
     def fn(self) -> Callable[[dict], None]:
@@ -69,6 +74,17 @@ REGISTRY: dict[str, TrainableEntry] = {
         "DPAL (ICLR 2020 submission, StoBatch lineage): DP auto-encoder and DP adversarial objective with "
         "fixed noise and disjoint batches (Theorem 4), verified inference with the (kappa + phi)_max bound.",
         epsilon_protects="training examples, by the paper's Theorem 4 accounting (eps_t; docs/dpal.md)"),
+    "dpal_sound": TrainableEntry(
+        "dpal_sound", "trainables.dpal_sound:dpal_sound", DPALSoundTrialConfig,
+        "dpal_sound: a sound DPAL. DP-SGD (Poisson sampling, per-example clipping of the benign + adversarial "
+        "pass of each example, RDP/PLD ledger) on DPAL's adversarial objective with an attack ensemble, Gaussian "
+        "input noise at training and inference; certified by randomized smoothing, attacked white-box with EOT "
+        "(docs/dpal_sound.md).",
+        epsilon_protects="training examples (RDP/PLD ledger; the whole epsilon is DP-SGD's)",
+        privacy_event="trainables.dpal_sound:privacy_event",
+        privacy_keys=DPAL_SOUND_PRIVACY_KEYS,
+        metrics=DPAL_SOUND_METRICS + tuple(f"cert_l2_acc_{r:g}" for r in (0.25, 0.5, 0.75, 1.0))
+        + tuple(f"cert_linf_acc_{s:g}" for s in (0.01, 0.02, 0.03, 0.05))),
     "adlm": TrainableEntry(
         "adlm", "trainables.adlm:adlm", AdLMTrialConfig,
         "AdLM (Phan et al., ICDM 2017): LRP relevance released with Laplace noise, relevance-adaptive Laplace "
@@ -102,8 +118,10 @@ REGISTRY: dict[str, TrainableEntry] = {
     "label_dp": TrainableEntry(
         "label_dp", "trainables.label_dp:label_dp", LabelDPTrialConfig,
         "Label DP (source: Laplace on MNIST labels): training labels released once per trial with the Laplace "
-        "mechanism (one-hot + Lap(2/eps) -> argmax, or the digit + Lap(9/eps)) or K-ary randomized response, a "
-        "fresh CNN trained on them; classification or regression; epsilon protects labels only (docs/label_dp.md).",
+        "mechanism (one-hot + Lap(2/eps) -> argmax, or the digit + Lap(9/eps)), K-ary randomized response, or "
+        "randomized response with a prior (LP-1ST / LP-2ST, Ghazi et al. 2021), a fresh CNN trained on them "
+        "(the source's Adam recipe or mixup + SGD); classification or regression; epsilon protects labels only "
+        "(docs/label_dp.md).",
         epsilon_protects="training labels only (label DP, delta 0); the images are not protected"),
     "secure_sgd": TrainableEntry(
         "secure_sgd", "trainables.secure_sgd:secure_sgd",
