@@ -544,6 +544,10 @@ def format_size(size: float) -> str:
 
 def reported_metrics(name: str, config: dict) -> set[str]:
     """The final metrics a trial of trainable ``name`` with this full config reports."""
+    if name == "dpal" and config.get("evaluation") == "reference":  # ref_* only (docs/dpal.md)
+        from trainables.dpal import reference_metric_names
+
+        return reference_metric_names(config)
     out = set(GENERIC_METRICS) | set(MECHANISM_METRICS.get(name, ()))
     out |= set(getattr(REGISTRY.get(name), "metrics", ()) or ())
     if not getattr(REGISTRY.get(name), "privacy_epsilon", True):  # a robustness epsilon has its own names

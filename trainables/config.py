@@ -197,6 +197,12 @@ class DPALTrialConfig(CommonConfig):
     attack_norm: Literal["linf"] = Field("linf", description="DPAL is evaluated under l-inf attacks")
     n_predict: int = Field(100, gt=0, description="psi-noisy draws per prediction in accuracy metrics")
     certify_bounds: Literal["argmax", "hoeffding"] = Field("hoeffding", description="confidence bound of verified inference (the paper: Hoeffding)")
+    evaluation: Literal["faithful", "reference"] = Field(
+        "faithful", description="faithful: dpsweep's DPAL (docs/dpal.md); reference: the reference code's training and "
+        "evaluation protocol, reported as ref_* metrics (reference protocol: not a DP guarantee, not a white-box attack, "
+        "not a certificate; docs/dpal.md 'The reference protocol')")
+    ref_eval_every: int = Field(10, gt=0, description="reference: evaluate every this many epochs (of int(N / batch_size) "
+                                "steps) and report the maximum over the evaluations, as the reference does")
 
     def smoothing_unavailable(self) -> str | None:
         return ("DPAL's noise is Laplace noise fixed at training plus psi-scaled Laplace noise at inference, not "
@@ -205,7 +211,8 @@ class DPALTrialConfig(CommonConfig):
     @model_validator(mode="after")
     def _mechanism_rules(self):
         """Cross-key rules of the mechanism itself (e.g. Appendix M's eps_t >= 2 on CIFAR-10)."""
-        from trainables.dpal import dpal_config
+        from trainables.dpal import dpal_config, reference_rules
 
         dpal_config(self)  # raises ValueError naming the field
+        reference_rules(self)
         return self
