@@ -17,7 +17,15 @@ mechanism: label DP protects labels only). The mechanisms, each epsilon-DP with 
 * ``rr`` (beyond the source; both tasks): K-ary randomized response (Warner 1965; Kairouz et al.
   2016): keep the true label with probability ``e^eps / (e^eps + K - 1)``, otherwise draw one of the
   other K - 1 labels uniformly. Every output probability ratio between two inputs is at most e^eps.
+* ``lp1st`` / ``lp2st`` (beyond the source; classification): randomized response with a prior
+  (Ghazi et al. 2021, Alg. 2, ``dpmech.label_dp_rr_prior``) in one stage (uniform prior: K-ary RR)
+  or two (LP-MST, Alg. 3: the stage-1 model's predictions on part 2's images are the prior of part
+  2's release; ``dpmech.label_dp_recipe``). Each label is released once: epsilon-label-DP.
 * ``none``: the true labels (the non-private baseline, epsilon = inf).
+
+Two training recipes: ``adam`` (the source's: Adam, constant learning rate, the source's CNN) and
+``mixup_sgd`` (Ghazi et al.'s: mixup, SGD with momentum, linear warm-up then linear decay, the
+smaller ``RecipeCNN``); docs/label_dp.md.
 
 Every randomized step takes an explicit ``torch.Generator``. The release happens once, in the
 trainer's constructor, before any training step; it is kept in ``state_dict()`` and reused in
@@ -45,7 +53,9 @@ from dpmech.mechanisms import laplace_noise, laplace_scale
 from dpmech._validate import matching_checkpoint
 
 TASKS = ("classification", "regression")
-MECHANISMS = ("laplace", "rr", "none")
+MECHANISMS = ("laplace", "rr", "lp1st", "lp2st", "none")
+RECIPES = ("adam", "mixup_sgd")
+PRIOR_MODES = ("denoised", "softmax")
 POSTPROCESS = ("argmax", "clamp_round")
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
 
@@ -225,7 +235,10 @@ def analytic_keep_prob(mechanism: str, epsilon: float | None, num_classes: int, 
     v.choice("mechanism", mechanism, MECHANISMS)
     if mechanism == "none" or epsilon is None:
         return 1.0
-    if mechanism == "rr":
+    if mechanism == "lp2st":
+        raise ValueError("mechanism 'lp2st' has no closed-form keep probability (it depends on the stage-1 "
+                         "model's prior): LabelDPTrainer.privacy() averages the exact per-example values")
+    if mechanism in ("rr", "lp1st"):
         return rr_keep_prob(epsilon, num_classes)
     return laplace_keep_prob(epsilon, num_classes, task=task, postprocess=postprocess, label_freq=label_freq)
 
@@ -239,17 +252,20 @@ class LabelRelease:
 
     labels: torch.Tensor          # int64 [N] (classification) or float32 [N] (regression)
     task: str
-    mechanism: str                # "laplace", "rr" or "none"
+    mechanism: str                # "laplace", "rr", "lp1st", "lp2st" or "none"
     postprocess: str
     num_classes: int
     noise_scale: float = math.nan   # Laplace scale b actually used
     sensitivity: float = math.nan   # L1 sensitivity the scale was calibrated to
     flip_prob: float = math.nan     # RR flip probability actually used
+    epsilon_value: float = math.nan  # lp1st / lp2st: the epsilon RRWithPrior was run with
 
     def epsilon(self) -> float:
         """Epsilon of the release (delta = 0), from the drawn mechanism's parameters."""
         if self.mechanism == "none":
             return math.inf
+        if self.mechanism in ("lp1st", "lp2st"):
+            return self.epsilon_value
         if self.mechanism == "rr":
             return rr_epsilon(self.flip_prob, self.num_classes)
         return self.sensitivity / self.noise_scale
@@ -262,7 +278,7 @@ class LabelRelease:
         regression: clamping keeps atoms at 0 and 9 whose ratio is exactly e^eps, so epsilon.
         """
         if self.mechanism != "laplace":
-            return self.epsilon()
+            return self.epsilon()   # RR and RRWithPrior spend exactly epsilon (k* >= 2 somewhere)
         if self.task == "regression":
             return self.epsilon()
         if self.postprocess == "argmax":
@@ -302,6 +318,16 @@ def release_labels(y: torch.Tensor, *, num_classes: int, task: str, mechanism: s
         labels = y.clone() if task == "classification" else y.to(torch.float32)
         return LabelRelease(labels, task, "none", postprocess, k)
     epsilon = v.positive("epsilon", epsilon)
+    if mechanism in ("lp1st", "lp2st") and task != "classification":
+        raise ValueError(f"mechanism {mechanism!r} applies to task 'classification' only")
+    if mechanism == "lp2st":
+        raise ValueError("mechanism 'lp2st' releases in two stages (the second needs the first stage's model): "
+                         "use LabelDPTrainer or dpmech.label_dp_recipe.train_label_dp")
+    if mechanism == "lp1st":
+        from dpmech.label_dp_rr_prior import rr_with_prior, uniform_prior
+
+        labels, _ = rr_with_prior(y, uniform_prior(y.shape[0], k), epsilon, generator)
+        return LabelRelease(labels, task, "lp1st", postprocess, k, epsilon_value=epsilon)
     if mechanism == "rr":
         q = rr_flip_prob(epsilon, k)
         labels = randomized_response(y, k, q, generator)
@@ -350,17 +376,33 @@ class LabelDPCNN(nn.Module):
 
 @dataclass
 class LabelDPConfig:
-    """Hyperparameters of one label-DP run (defaults: the source's Adam, lr 1e-3, batches of 100)."""
+    """Hyperparameters of one label-DP run (defaults: the source's Adam, lr 1e-3, batches of 100).
+
+    ``recipe="mixup_sgd"`` (Ghazi et al.'s recipe, ``dpmech.label_dp_recipe``): ``RecipeCNN``, SGD
+    with ``momentum`` and ``weight_decay``, ``lr`` the peak of a linear warm-up over
+    ``warmup_epochs`` then a linear decay to 0 (per stage), mixup with Beta(``mixup_alpha``,
+    ``mixup_alpha``) (classification only). ``lp2st``: the first ``stage1_epochs`` of ``epochs``
+    train stage 1 on a random ``stage1_fraction`` of the training set; the rest trains stage 2 on
+    all of it (Alg. 3), from the stage-1 weights with a fresh optimizer and schedule.
+    """
 
     dataset: str = "mnist"
     task: str = "classification"      # "classification" (cross-entropy) or "regression" (MSE on the digit)
-    mechanism: str = "laplace"        # "laplace", "rr" or "none"
+    mechanism: str = "laplace"        # "laplace", "rr", "lp1st", "lp2st" or "none"
     epsilon: float | None = 1.0       # None: non-private baseline (true labels)
     postprocess: str = "argmax"       # classification + laplace only: "argmax" or "clamp_round"
     epochs: int = 5
     batch_size: int = 100
     lr: float = 1e-3
     seed: int = 0
+    recipe: str = "adam"              # "adam" (the source's) or "mixup_sgd" (Ghazi et al.'s)
+    momentum: float = 0.9             # mixup_sgd only
+    weight_decay: float = 5e-4        # mixup_sgd only
+    warmup_epochs: float = 1.0        # mixup_sgd only
+    mixup_alpha: float = 4.0          # mixup_sgd + classification only; 0 = no mixup
+    stage1_fraction: float = 0.4      # lp2st only
+    stage1_epochs: int = 0            # lp2st only: 1 <= stage1_epochs < epochs
+    prior_mode: str = "denoised"      # lp2st only: "denoised" (stage 1's RR channel inverted) or "softmax"
 
     def __post_init__(self):
         self.validate()
@@ -370,16 +412,31 @@ class LabelDPConfig:
         v.choice("task", self.task, TASKS)
         v.choice("mechanism", self.mechanism, MECHANISMS)
         v.choice("postprocess", self.postprocess, POSTPROCESS)
+        v.choice("recipe", self.recipe, RECIPES)
+        v.choice("prior_mode", self.prior_mode, PRIOR_MODES)
         if self.epsilon is not None:
             v.positive("epsilon", self.epsilon)
         if self.mechanism == "none" and self.epsilon is not None:
             raise ValueError(f"epsilon must be null when mechanism is 'none' (no noise, no epsilon), got {self.epsilon}")
         if self.postprocess != "argmax" and (self.task != "classification" or self.mechanism != "laplace"):
             raise ValueError("postprocess 'clamp_round' applies to task 'classification' with mechanism 'laplace' only")
+        if self.mechanism in ("lp1st", "lp2st") and self.task != "classification":
+            raise ValueError(f"mechanism {self.mechanism!r} applies to task 'classification' only")
         v.positive_int("epochs", self.epochs)
         v.positive_int("batch_size", self.batch_size)
         v.positive("lr", self.lr)
         v.positive_int("seed", self.seed, minimum=0)
+        v.unit_interval("momentum", self.momentum, high_open=True)
+        v.non_negative("weight_decay", self.weight_decay)
+        v.non_negative("warmup_epochs", self.warmup_epochs)
+        v.non_negative("mixup_alpha", self.mixup_alpha)
+        v.open_unit("stage1_fraction", self.stage1_fraction)
+        s1 = v.positive_int("stage1_epochs", self.stage1_epochs, minimum=0)
+        if self.mechanism == "lp2st" and self.epsilon is not None and not 1 <= s1 < self.epochs:
+            raise ValueError(f"stage1_epochs must be in [1, epochs - 1] = [1, {self.epochs - 1}] for mechanism "
+                             f"'lp2st' (stage 2 needs at least one epoch), got {s1}")
+        if self.mechanism != "lp2st" and s1 != 0:
+            raise ValueError(f"stage1_epochs applies to mechanism 'lp2st' only (must be 0), got {s1}")
 
     @property
     def private(self) -> bool:
@@ -390,13 +447,15 @@ class LabelDPConfig:
 
 
 def derive_seed(seed: int, stream: int) -> int:
-    """Independent seeds for the streams of one trial (0: init, 1: shuffling, 2: label release)."""
+    """Independent seeds for the streams of one trial (0: init, 1: shuffling, 2: label release,
+    3: LP-2ST's split, 4: mixup's lambda)."""
     return int(np.random.SeedSequence([int(seed), int(stream)]).generate_state(1)[0])
 
 
 class LabelDPTrainer:
-    """Releases the training labels once (constructor), then trains a fresh ``LabelDPCNN`` on the
-    images and the released labels epoch by epoch. Inputs in [-1, 1], labels int in [0, K-1]."""
+    """Releases the training labels once (constructor; LP-2ST: part 1 there, part 2 when stage 2
+    begins), then trains a fresh network on the images and the released labels epoch by epoch.
+    Inputs in [-1, 1], labels int in [0, K-1]."""
 
     def __init__(self, config: LabelDPConfig, x_train: torch.Tensor, y_train: torch.Tensor, *,
                  num_classes: int = 10, device: str | torch.device = "cpu"):
@@ -410,26 +469,98 @@ class LabelDPTrainer:
         _check_labels(y_train, self.num_classes)
         self.x = x_train.to(self.device)
         self.y_true = y_train.to(self.device, torch.int64)
+        n = x_train.shape[0]
+        mech = config.mechanism if config.private else "none"
+        self.two_stage = mech == "lp2st"
         # 1. the release: drawn once, before training, from its own generator
         self.label_gen = torch.Generator(device="cpu").manual_seed(derive_seed(config.seed, 2))
-        self.release = release_labels(y_train, num_classes=self.num_classes, task=config.task,
-                                      mechanism=config.mechanism if config.private else "none",
-                                      epsilon=config.epsilon, generator=self.label_gen,
-                                      postprocess=config.postprocess)
+        self.part1 = torch.arange(n)
+        self.stage = 1
+        if self.two_stage:
+            from dpmech.label_dp_rr_prior import rr_with_prior, uniform_prior
+
+            if n < 2:
+                raise ValueError("x_train must hold at least 2 examples for mechanism 'lp2st' (two parts)")
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(config.seed, 3)))
+            n1 = min(n - 1, max(1, int(round(config.stage1_fraction * n))))
+            self.part1 = perm[:n1].sort().values
+            y_cpu = y_train.detach().to("cpu", torch.int64)
+            labels = torch.full((n,), -1, dtype=torch.int64)       # -1: not released yet (part 2)
+            labels[self.part1], _ = rr_with_prior(y_cpu[self.part1], uniform_prior(n1, self.num_classes),
+                                                  config.epsilon, self.label_gen)
+            self.release = LabelRelease(labels, config.task, "lp2st", config.postprocess, self.num_classes,
+                                        epsilon_value=float(config.epsilon))
+            self.keep_exact = torch.full((n,), math.nan, dtype=torch.float64)
+            self.keep_exact[self.part1] = rr_keep_prob(config.epsilon, self.num_classes)
+        else:
+            self.release = release_labels(y_train, num_classes=self.num_classes, task=config.task, mechanism=mech,
+                                          epsilon=config.epsilon, generator=self.label_gen,
+                                          postprocess=config.postprocess)
+            self.keep_exact = None
         self.labels = self.release.labels.to(self.device)
         # 2. a freshly initialised network (global RNG untouched)
         out_dim = self.num_classes if config.task == "classification" else 1
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(config.seed, 0))
-            model = LabelDPCNN(tuple(x_train.shape[1:]), out_dim)
+            if config.recipe == "mixup_sgd":
+                from dpmech.label_dp_recipe import RecipeCNN
+
+                model = RecipeCNN(tuple(x_train.shape[1:]), out_dim)
+            else:
+                model = LabelDPCNN(tuple(x_train.shape[1:]), out_dim)
         if out_dim == 1:  # start the regression output at the middle of [0, K-1] (public, not data)
             with torch.no_grad():
                 model.head[-1].bias.fill_((self.num_classes - 1) / 2)
         self.model = model.to(self.device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
+        self.optimizer = self._make_optimizer()
         self.shuffle_gen = torch.Generator(device="cpu").manual_seed(derive_seed(config.seed, 1))
+        self.mixup_rng = np.random.default_rng(derive_seed(config.seed, 4))
         self.epoch = 0
         self.steps = 0
+        self.stage_step = 0
+
+    def _make_optimizer(self):
+        cfg = self.config
+        if cfg.recipe == "mixup_sgd":
+            return torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                   weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
+
+    # ------------------------------------------------------------------ LP-2ST's second release
+    def _train_index(self) -> torch.Tensor:
+        return self.part1 if (self.two_stage and self.stage == 1) else torch.arange(self.x.shape[0])
+
+    @torch.no_grad()
+    def _begin_stage2(self) -> None:
+        """Alg. 3, t = 2: the stage-1 model's softmax on part 2's images (denoised: stage 1's RR
+        channel inverted) is the prior of RRWithPrior on part 2's labels; never reads a part-2 label
+        before the release itself."""
+        from dpmech.label_dp_recipe import denoise_rr_prior
+        from dpmech.label_dp_rr_prior import rr_prior_choose_k, rr_with_prior
+
+        cfg = self.config
+        n = self.x.shape[0]
+        mask = torch.ones(n, dtype=torch.bool)
+        mask[self.part1] = False
+        part2 = torch.nonzero(mask).squeeze(1)
+        prior = torch.softmax(self.predict_raw(self.x[part2.to(self.device)]).double(), dim=1)
+        if cfg.prior_mode == "denoised":
+            prior = denoise_rr_prior(prior, cfg.epsilon)
+        y2 = self.y_true.cpu()[part2]
+        out, kstar = rr_with_prior(y2, prior, cfg.epsilon, self.label_gen)
+        labels = self.release.labels.clone()
+        labels[part2] = out
+        self.release = LabelRelease(labels, cfg.task, "lp2st", cfg.postprocess, self.num_classes,
+                                    epsilon_value=float(cfg.epsilon))
+        self.labels = labels.to(self.device)
+        # exact P(release = y) per example (a diagnostic: needs the true label, never used to train)
+        _, order = rr_prior_choose_k(prior, cfg.epsilon)
+        rank = (order == y2[:, None]).to(torch.int64).argmax(1)
+        keep = 1.0 / (1.0 + (kstar.double() - 1.0) * math.exp(-cfg.epsilon))
+        self.keep_exact[part2] = torch.where(rank < kstar, keep, torch.zeros_like(keep))
+        self.stage = 2
+        self.stage_step = 0
+        self.optimizer = self._make_optimizer()
 
     # ------------------------------------------------------------------ training
     def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -437,21 +568,49 @@ class LabelDPTrainer:
             return F.cross_entropy(out, target)
         return F.mse_loss(out, target)
 
-    def train_epoch(self, progress=None) -> dict[str, float]:
-        """One pass over the training set in a fresh order, on the released labels (never redrawn)."""
+    def _stage_epochs(self) -> int:
         cfg = self.config
+        if not self.two_stage:
+            return cfg.epochs
+        return cfg.stage1_epochs if self.stage == 1 else cfg.epochs - cfg.stage1_epochs
+
+    def train_epoch(self, progress=None) -> dict[str, float]:
+        """One pass over the training set in a fresh order, on the released labels (never redrawn;
+        LP-2ST: the part-2 release happens at the start of epoch ``stage1_epochs + 1``)."""
+        cfg = self.config
+        if self.two_stage and self.stage == 1 and self.epoch >= cfg.stage1_epochs:
+            self._begin_stage2()
         self.model.train()
-        n = self.x.shape[0]
-        order = torch.randperm(n, generator=self.shuffle_gen).to(self.device)
+        index = self._train_index()
+        n = index.numel()
+        order = index[torch.randperm(n, generator=self.shuffle_gen)].to(self.device)
         nb = math.ceil(n / cfg.batch_size)
+        sgd = cfg.recipe == "mixup_sgd"
+        alpha = cfg.mixup_alpha if (sgd and cfg.task == "classification") else 0.0
+        if sgd:
+            from dpmech.label_dp_recipe import lr_at
+
+            total_steps = self._stage_epochs() * nb
+            warm = int(round(cfg.warmup_epochs * nb))
         total = 0.0
         for b in range(nb):
             idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
-            loss = self._loss(self.model(self.x[idx]), self.labels[idx])
+            xb, yb = self.x[idx], self.labels[idx]
+            if sgd:
+                for g in self.optimizer.param_groups:
+                    g["lr"] = lr_at(self.stage_step, total_steps, warm, cfg.lr)
+            if alpha > 0:
+                lam = float(self.mixup_rng.beta(alpha, alpha))
+                perm = torch.randperm(len(idx), generator=self.shuffle_gen).to(self.device)
+                out = self.model(lam * xb + (1.0 - lam) * xb[perm])
+                loss = lam * self._loss(out, yb) + (1.0 - lam) * self._loss(out, yb[perm])
+            else:
+                loss = self._loss(self.model(xb), yb)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
             self.steps += 1
+            self.stage_step += 1
             total += loss.item() * len(idx)
             if progress is not None:
                 progress(b + 1, nb)
@@ -460,11 +619,16 @@ class LabelDPTrainer:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def predict(self, x: torch.Tensor, batch_size: int = 1000) -> torch.Tensor:
-        """Class predictions (classification) or real-valued predictions (regression), on CPU."""
+    def predict_raw(self, x: torch.Tensor, batch_size: int = 1000) -> torch.Tensor:
+        """Raw outputs (class scores, or values for regression) on CPU."""
         self.model.eval()
         out = [self.model(x[s:s + batch_size].to(self.device)).cpu() for s in range(0, x.shape[0], batch_size)]
-        out = torch.cat(out)
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor, batch_size: int = 1000) -> torch.Tensor:
+        """Class predictions (classification) or real-valued predictions (regression), on CPU."""
+        out = self.predict_raw(x, batch_size)
         return out.argmax(1) if self.config.task == "classification" else out
 
     def predict_labels(self, x: torch.Tensor) -> torch.Tensor:
@@ -486,24 +650,35 @@ class LabelDPTrainer:
 
     # ------------------------------------------------------------------ privacy
     def label_keep_rate(self) -> float:
-        """Fraction of training labels the release kept (regression: released value rounds to y)."""
-        return float(self.release.kept(self.y_true).float().mean())
+        """Fraction of training labels the release kept (regression: released value rounds to y);
+        LP-2ST before stage 2: of the labels released so far (part 1)."""
+        kept = self.release.kept(self.y_true)
+        if self.two_stage:
+            kept = kept[self.release.labels.to(kept.device) >= 0]
+        return float(kept.float().mean())
 
     def privacy(self) -> dict[str, float]:
         """epsilon (delta = 0) from the drawn mechanism's parameters, the exact label-level epsilon,
         the measured and the analytic keep probability (for RR: 1 - the flip probability used), and
-        the Laplace scale actually used (0 for RR and the baseline)."""
+        the Laplace scale actually used (0 for RR and the baseline). LP-2ST's analytic keep
+        probability is the mean over the released labels of the exact per-example P(release = y)
+        (RR's keep probability in part 1; in part 2 ``e^eps/(e^eps+k*-1)`` if y is in the prior's
+        top k*, else 0)."""
         r = self.release
         freq = np.bincount(self.y_true.cpu().numpy(), minlength=self.num_classes) / self.y_true.numel()
         eps = r.epsilon()
+        if self.two_stage:
+            ke = self.keep_exact
+            analytic = float(ke[~torch.isnan(ke)].mean())
+        else:
+            analytic = analytic_keep_prob(r.mechanism, None if r.mechanism == "none" else eps, self.num_classes,
+                                          task=r.task, postprocess=r.postprocess, label_freq=freq)
         return {
             "epsilon": eps,
             "delta": 0.0,
             "label_epsilon": r.label_epsilon(),
             "label_keep_rate": self.label_keep_rate(),
-            "analytic_keep_prob": analytic_keep_prob(
-                r.mechanism, None if r.mechanism == "none" else eps, self.num_classes, task=r.task,
-                postprocess=r.postprocess, label_freq=freq),
+            "analytic_keep_prob": analytic,
             "noise_scale": r.noise_scale if r.mechanism == "laplace" else 0.0,
         }
 
@@ -520,6 +695,10 @@ class LabelDPTrainer:
             "release": self.release.meta(),
             "epoch": self.epoch,
             "steps": self.steps,
+            "stage": self.stage,
+            "stage_step": self.stage_step,
+            "mixup_rng": self.mixup_rng.bit_generator.state,
+            "keep_exact": None if self.keep_exact is None else self.keep_exact.clone(),
         })
 
     def load_state_dict(self, state: dict) -> None:
@@ -529,6 +708,7 @@ class LabelDPTrainer:
         if tuple(labels.shape) != (self.x.shape[0],):
             raise ValueError(f"checkpoint labels have shape {tuple(labels.shape)}, the training set {self.x.shape[0]} examples")
         self.model.load_state_dict(state["model"])
+        self.optimizer = self._make_optimizer()
         self.optimizer.load_state_dict(state["optimizer"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
         self.label_gen.set_state(state["label_gen"])
@@ -536,6 +716,12 @@ class LabelDPTrainer:
         self.labels = self.release.labels.to(self.device)
         self.epoch = int(state["epoch"])
         self.steps = int(state["steps"])
+        self.stage = int(state.get("stage", 1))
+        self.stage_step = int(state.get("stage_step", self.steps))
+        if state.get("mixup_rng") is not None:
+            self.mixup_rng.bit_generator.state = state["mixup_rng"]
+        if state.get("keep_exact") is not None:
+            self.keep_exact = state["keep_exact"].clone()
 
 
 # --------------------------------------------------------------------------- helpers

@@ -206,3 +206,115 @@ def test_stage2_prior_reads_no_part2_label():
     assert torch.equal(y1a, y1b) and torch.equal(pr1a, pr1b)     # stage 1 saw the same labels
     assert torch.equal(pr2a, pr2b)                                # the stage-2 prior is identical
     assert not torch.equal(y2a, y2b)                              # although part 2's labels differ
+
+
+# ---------------------------------------------------------------- the trainer (trainables' path)
+
+
+def _data(n=120, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 1, 28, 28, generator=g) * 2 - 1, torch.randint(0, K, (n,), generator=g)
+
+
+def test_lp1st_release_is_rr_shaped_and_bad_configs_name_the_field():
+    from dpmech.label_dp import LabelDPConfig, release_labels, rr_keep_prob
+
+    y = torch.randint(0, K, (200_000,), generator=torch.Generator().manual_seed(1))
+    r = release_labels(y, num_classes=K, task="classification", mechanism="lp1st", epsilon=1.0,
+                       generator=torch.Generator().manual_seed(2))
+    assert r.epsilon() == 1.0 == r.label_epsilon()
+    assert float(r.kept(y).float().mean()) == pytest.approx(rr_keep_prob(1.0, K), abs=0.004)
+    for kwargs, field in [(dict(mechanism="lp2st", stage1_epochs=0, epochs=3), "stage1_epochs"),
+                          (dict(mechanism="lp2st", stage1_epochs=3, epochs=3), "stage1_epochs"),
+                          (dict(mechanism="rr", stage1_epochs=1), "stage1_epochs"),
+                          (dict(mechanism="lp1st", task="regression"), "mechanism"),
+                          (dict(recipe="sgd"), "recipe"), (dict(stage1_fraction=1.0), "stage1_fraction"),
+                          (dict(prior_mode="x"), "prior_mode"), (dict(momentum=1.0), "momentum")]:
+        with pytest.raises(ValueError, match=field):
+            LabelDPConfig(**kwargs)
+    with pytest.raises(ValueError, match="two stages"):
+        release_labels(y, num_classes=K, task="classification", mechanism="lp2st", epsilon=1.0,
+                       generator=torch.Generator())
+
+
+def test_lp2st_trainer_releases_each_label_once_and_restores_bit_for_bit():
+    import io
+
+    from dpmech.label_dp import LabelDPConfig, LabelDPTrainer
+
+    x, y = _data()
+    cfg = LabelDPConfig(mechanism="lp2st", epsilon=2.0, epochs=4, stage1_epochs=2, batch_size=40, lr=0.05,
+                        recipe="mixup_sgd", seed=3)
+    a = LabelDPTrainer(cfg, x, y)
+    part1 = a.part1
+    assert len(part1) == 48 and (a.labels[part1] >= 0).all() and (a.labels < 0).sum() == 120 - 48
+    first = a.labels.clone()
+    a.train_epoch()
+    a.train_epoch()
+    assert torch.equal(a.labels, first) and a.stage == 1
+    p_stage1 = a.privacy()
+    assert p_stage1["epsilon"] == 2.0 and 0 < p_stage1["analytic_keep_prob"] < 1
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=False)
+    a.train_epoch()                                  # stage 2 begins: part 2 released once
+    assert a.stage == 2 and (a.labels >= 0).all()
+    assert torch.equal(a.labels[part1], first[part1])   # part 1 never redrawn
+    second = a.labels.clone()
+    a.train_epoch()
+    assert torch.equal(a.labels, second)
+    p = a.privacy()
+    assert p["epsilon"] == 2.0 == p["label_epsilon"] and p["delta"] == 0.0
+    assert 0 <= p["analytic_keep_prob"] <= 1 and 0 <= p["label_keep_rate"] <= 1
+
+    b = LabelDPTrainer(cfg, x, y)
+    b.load_state_dict(state)
+    b.train_epoch()
+    b.train_epoch()
+    assert torch.equal(b.labels, second)
+    for pa, pb in zip(a.model.state_dict().values(), b.model.state_dict().values()):
+        assert torch.equal(pa, pb)
+    assert a.privacy() == b.privacy()
+
+
+def test_lr_schedule_warms_up_then_decays_to_zero():
+    from dpmech.label_dp_recipe import lr_at
+
+    lrs = [lr_at(s, 100, 10, 0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.01) and lrs[9] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.1 / 90)
+
+
+def test_denoised_prior_inverts_the_rr_channel():
+    from dpmech.label_dp import rr_keep_prob
+    from dpmech.label_dp_recipe import denoise_rr_prior
+
+    rng = np.random.default_rng(0)
+    clean = torch.tensor(rng.dirichlet(np.full(K, 0.3), size=50))
+    for eps in (0.5, 1.0, 4.0):
+        keep = rr_keep_prob(eps, K)
+        q = (1 - keep) / (K - 1)
+        noisy = q + (keep - q) * clean                      # what a perfect stage-1 model learns
+        assert torch.allclose(denoise_rr_prior(noisy, eps), clean, atol=1e-12)
+        assert torch.allclose(noisy.sum(1), torch.ones(50, dtype=torch.float64))
+
+
+def test_trial_schema_and_adapter_run_lp2st():
+    from trainables.label_dp import LabelDPMechanism, LabelDPTrialConfig
+    from trainables.runtime import evaluate, validate_config
+
+    for bad, field in [({"mechanism": "lp2st", "epochs": 3}, "stage1_epochs"),
+                       ({"mechanism": "lp1st", "task": "regression"}, "mechanism"),
+                       ({"recipe": "adamw"}, "recipe"), ({"mixup_alpha": -1.0}, "mixup_alpha")]:
+        with pytest.raises(ValueError, match=field):
+            validate_config(bad, LabelDPTrialConfig)
+    x, y = _data(200, seed=1)
+    cfg = LabelDPTrialConfig(mechanism="lp2st", epsilon=4.0, epochs=2, stage1_epochs=1, recipe="mixup_sgd",
+                             lr=0.05, batch_size=50, test_size=100)
+    mech = LabelDPMechanism(cfg, x, y, torch.device("cpu"))
+    for _ in range(cfg.epochs):
+        mech.train_epoch()
+    m = evaluate(mech, cfg, x[:100], y[:100])["metrics"]
+    assert m["epsilon"] == 4.0 and m["delta"] == 0.0 and m["label_epsilon"] == 4.0
+    assert {"acc_clean", "label_keep_rate", "analytic_keep_prob"} <= set(m)

@@ -25,14 +25,15 @@ from trainables.runtime import TrainerMechanism, run_trial
 
 class LabelDPTrialConfig(CommonConfig):
     """Label DP (docs/label_dp.md): the training labels released once through an epsilon-DP
-    mechanism (Laplace on one-hot or scalar labels, or K-ary randomized response), a fresh CNN
-    trained on them. The guarantee covers labels only, not images."""
+    mechanism (Laplace on one-hot or scalar labels, K-ary randomized response, or randomized
+    response with a prior in one or two stages), a fresh CNN trained on them. The guarantee covers labels only, not images."""
 
     task: Literal["classification", "regression"] = Field(
         "classification", description="classification (cross-entropy on labels) or regression (MSE on the digit value)")
-    mechanism: Literal["laplace", "rr", "none"] = Field(
+    mechanism: Literal["laplace", "rr", "lp1st", "lp2st", "none"] = Field(
         "laplace", description="laplace (one-hot + Lap(2/eps), or digit + Lap(9/eps) for regression), rr (K-ary "
-        "randomized response) or none (the non-private baseline; epsilon must be null)")
+        "randomized response), lp1st / lp2st (randomized response with a prior, Ghazi et al. 2021, one or two "
+        "stages; classification) or none (the non-private baseline; epsilon must be null)")
     epsilon: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
         1.0, description="label-DP epsilon of the release (delta = 0); null = non-private baseline (true labels)")
     postprocess: Literal["argmax", "clamp_round"] = Field(
@@ -40,7 +41,23 @@ class LabelDPTrialConfig(CommonConfig):
         "clamp(round(digit + Lap(9/eps)), 0, 9)")
     epochs: int = Field(5, gt=0, description="training epochs (the labels are released once, before the first)")
     batch_size: int = Field(100, gt=0, description="minibatch size")
-    lr: float = Field(1e-3, gt=0, allow_inf_nan=False, description="Adam learning rate")
+    lr: float = Field(1e-3, gt=0, allow_inf_nan=False,
+                      description="Adam learning rate (recipe adam) or peak SGD learning rate (recipe mixup_sgd)")
+    recipe: Literal["adam", "mixup_sgd"] = Field(
+        "adam", description="adam (the source's: Adam, constant lr, two-conv CNN) or mixup_sgd (Ghazi et al.'s: "
+        "mixup, SGD with momentum, linear warm-up then linear decay, a smaller CNN)")
+    momentum: float = Field(0.9, ge=0, lt=1, description="recipe mixup_sgd: SGD momentum")
+    weight_decay: float = Field(5e-4, ge=0, allow_inf_nan=False, description="recipe mixup_sgd: SGD weight decay")
+    warmup_epochs: float = Field(1.0, ge=0, allow_inf_nan=False,
+                                 description="recipe mixup_sgd: linear warm-up epochs (per stage)")
+    mixup_alpha: float = Field(4.0, ge=0, allow_inf_nan=False,
+                               description="recipe mixup_sgd, classification: mixup's Beta(alpha, alpha); 0 = none")
+    stage1_fraction: float = Field(0.4, gt=0, lt=1, description="lp2st: share of the training set in stage 1")
+    stage1_epochs: int = Field(0, ge=0, description="lp2st: the first stage1_epochs of epochs train stage 1 "
+                               "(1 .. epochs-1); 0 for every other mechanism")
+    prior_mode: Literal["denoised", "softmax"] = Field(
+        "denoised", description="lp2st: the stage-2 prior, the stage-1 softmax with its RR channel inverted "
+        "(denoised) or as is (softmax)")
     certify_images: int = Field(0, ge=0, le=0, description="label DP has no certificate: must be 0")
 
     # Label DP protects labels only: a neighbouring dataset that changes an image is not covered,
@@ -64,7 +81,10 @@ def label_dp_config(cfg: LabelDPTrialConfig):
 
     return LabelDPConfig(dataset=cfg.dataset, task=cfg.task, mechanism=cfg.mechanism, epsilon=cfg.epsilon,
                          postprocess=cfg.postprocess, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                         seed=cfg.seed)
+                         seed=cfg.seed, recipe=cfg.recipe, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                         warmup_epochs=cfg.warmup_epochs, mixup_alpha=cfg.mixup_alpha,
+                         stage1_fraction=cfg.stage1_fraction, stage1_epochs=cfg.stage1_epochs,
+                         prior_mode=cfg.prior_mode)
 
 
 class LabelDPMechanism(TrainerMechanism):
