@@ -62,6 +62,7 @@ class DPALSoundTrialConfig(CommonConfig):
         description="attack name -> l-inf sizes ([-1, 1] domain): white-box EOT attacks on the noisy classifier, "
                     "then its smoothed prediction")
     attack_norm: Literal["linf"] = Field("linf", description="dpal_sound is attacked in l-inf")
+    attack_labels: Literal["true"] = Field("true", description="white-box attacks maximise the loss of the true labels")
     eot_samples: int = Field(8, gt=0, description="noise draws averaged per attack gradient (EOT)")
     attack_images: int = Field(500, gt=0, description="test images attacked (the first ones)")
     n_predict: int = Field(100, gt=0, description="n of the smoothed classifier's PREDICT (Cohen et al.)")
