@@ -7,7 +7,10 @@ response, Laplace with clamp-and-round), each task's non-private baseline as a d
 line, and on the accuracy panel the analytic probability that a training label is kept at each
 epsilon (dotted; ``dpmech.label_dp.analytic_keep_prob``) beside the measured keep rates.
 
-``plot_labeldp(rows, path)`` draws the same figure from plain records (the benchmark uses it).
+``plot_labeldp(rows, path)`` draws the same figure from plain records (the benchmark uses it);
+``rows_from_benchmark(json)`` turns benchmarks/results/labeldp_mnist_full.json into such records, and
+``python -m sweeps.report_labeldp RESULT.json OUT.png`` draws it (every method of issue 16: Laplace,
+RR, LP-1ST, LP-2ST, with the non-private baselines).
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ FIGURE = "label_dp_accuracy_mse_vs_epsilon.png"
 _INF = 1e300
 _STYLE = {("laplace", "argmax"): ("tab:blue", "o", "Laplace (one-hot, argmax)"),
           ("laplace", "clamp_round"): ("tab:green", "s", "Laplace (clamp-and-round)"),
-          ("rr", "argmax"): ("tab:orange", "^", "randomized response")}
+          ("rr", "argmax"): ("tab:orange", "^", "randomized response"),
+          ("lp1st", "argmax"): ("tab:brown", "v", "LP-1ST (RR with uniform prior)"),
+          ("lp2st", "argmax"): ("tab:purple", "D", "LP-2ST (RR with prior, 2 stages)")}
+# no closed form: LP-2ST's keep probability depends on the stage-1 model (measured keep rates only);
+# LP-1ST's is RR's (the same dotted curve)
+_NO_CURVE = {"lp1st", "lp2st"}
 _REG_STYLE = {"laplace": ("tab:red", "o", "Laplace (clamped to [0, 9])"),
               "rr": ("tab:purple", "^", "randomized response")}
 
@@ -122,6 +130,8 @@ def plot_labeldp(rows: list[dict], path: Path, num_classes: int = 10) -> bool:
                 ek, k, _ = _mean_by_epsilon(sel, "label_keep_rate")
                 if len(ek):
                     ax.scatter(ek, k, marker="x", color=color, s=22, zorder=3)
+                if mech in _NO_CURVE:
+                    continue
                 curve = [analytic_keep_prob(mech, float(g), num_classes, postprocess=post) for g in grid]
                 ax.plot(grid, curve, ls=":", color=color, lw=1.4, label=f"{label}: P(label kept), analytic (x: measured)")
             base = _baseline(cls, "classification", "acc_clean")
@@ -141,3 +151,30 @@ def plot_labeldp(rows: list[dict], path: Path, num_classes: int = 10) -> bool:
     fig.savefig(path)
     plt.close(fig)
     return True
+
+
+def rows_from_benchmark(result: dict) -> list[dict]:
+    """Records for ``plot_labeldp`` from benchmarks/labeldp_mnist_full.py's JSON (its ``runs``)."""
+    rows = []
+    for r in result.get("runs", {}).values():
+        rows.append({"task": r["task"], "mechanism": r["method"], "postprocess": "argmax", "epsilon": r["epsilon"],
+                     "acc_clean": _num(r.get("acc")), "mse": _num(r.get("mse")),
+                     "label_keep_rate": _num(r.get("label_keep_rate"))})
+    return rows
+
+
+def main(argv=None) -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="Draw the label-DP figure from a labeldp_mnist_full JSON result")
+    ap.add_argument("result", type=Path)
+    ap.add_argument("out", type=Path)
+    args = ap.parse_args(argv)
+    if not plot_labeldp(rows_from_benchmark(json.loads(args.result.read_text())), args.out):
+        raise SystemExit(f"{args.result}: no runs to draw")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -318,3 +318,17 @@ def test_trial_schema_and_adapter_run_lp2st():
     m = evaluate(mech, cfg, x[:100], y[:100])["metrics"]
     assert m["epsilon"] == 4.0 and m["delta"] == 0.0 and m["label_epsilon"] == 4.0
     assert {"acc_clean", "label_keep_rate", "analytic_keep_prob"} <= set(m)
+
+
+def test_report_figure_draws_every_method_from_a_benchmark_result(tmp_path):
+    from sweeps.report_labeldp import plot_labeldp, rows_from_benchmark
+
+    runs = {}
+    for i, (task, m, e) in enumerate([("classification", "none", None), ("regression", "none", None)] +
+                                     [("classification", m, e) for m in ("laplace", "rr", "lp1st", "lp2st")
+                                      for e in (0.5, 1.0, 4.0)] + [("regression", "laplace", e) for e in (0.1, 1.0)]):
+        runs[str(i)] = {"task": task, "method": m, "epsilon": e, "seed": 0, "acc": 0.5 + 0.1 * (e or 4),
+                        "mse": 1.0 if task == "regression" else None, "label_keep_rate": 0.5}
+    rows = rows_from_benchmark({"runs": runs})
+    assert {r["mechanism"] for r in rows} == {"none", "laplace", "rr", "lp1st", "lp2st"}
+    assert plot_labeldp(rows, tmp_path / "f.png") and (tmp_path / "f.png").stat().st_size > 10_000
