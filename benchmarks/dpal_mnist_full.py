@@ -110,6 +110,7 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-attack-steps", type=int, default=10, help="iterations of the test attacks (reference 100)")
     ap.add_argument("--n", type=int, default=20, help="Monte Carlo votes per evaluation (reference 2,000)")
     ap.add_argument("--test", type=int, default=1000, help="test images (the batch whose statistics the norms use; reference 10,000)")
+    ap.add_argument("--cert-test", type=int, default=500, help="test images of the eps_1 (Fig. 6) evaluation: the first k")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--deadline", type=float, default=0.0, help="unix time after which no new round starts (0: none)")
@@ -127,7 +128,7 @@ def main(argv=None) -> None:
     ref["settings"] = {
         "seed": args.seed, "train_images": 60000, "test_images": args.test, "batch_size": 2499, "lr": 1e-4, "alpha": 1.0,
         "psi": 2.0, "train_attack_steps": args.train_attack_steps, "eval_attack_steps": args.eval_attack_steps,
-        "n_votes": args.n, "certificate": "first_upload (cdf1220); cert_head_* uses HEAD's", "threads": 1,
+        "n_votes": args.n, "cert_test_images": args.cert_test, "certificate": "first_upload (cdf1220); cert_head_* uses HEAD's", "threads": 1,
         "reference": {"steps": 4002, "train_attack_steps": 100, "eval_attack_steps": 100, "n_votes": 2000,
                       "test_images": 10000, "evaluations": "every 200 steps from step 400"},
     }
@@ -188,7 +189,8 @@ def main(argv=None) -> None:
                 continue
             t0 = time.perf_counter()
             if name == "eps_1":
-                m = t.evaluate(xt, yt, attacks=ATTACKS, sizes=CERT_SIZES, n=args.n, attack_steps=args.eval_attack_steps,
+                k = args.cert_test
+                m = t.evaluate(xt[:k], yt[:k], attacks=ATTACKS, sizes=CERT_SIZES, n=args.n, attack_steps=args.eval_attack_steps,
                                cert_sizes=CERT_SIZES, seed=args.seed + t.step_count)
             else:
                 m = t.evaluate(xt, yt, attacks=ATTACKS, sizes=(MU,), n=args.n, attack_steps=args.eval_attack_steps,

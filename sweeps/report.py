@@ -106,7 +106,79 @@ def _reference_section(sweep: Sweep, refs: list[dict]) -> list[str]:
     lines += ["", "Measured: mean ± sd over the finished trials each point's configured values match (its repeats), "
               "n trials; difference = measured mean - published. The published points are the black stars on the "
               "figures below.", "", *_md_table(rows, ["point", "metric", "published", "measured", "difference"]), ""]
+    if any(str(r.get("metric", "")).startswith("ref_") for r in rows):
+        lines += [f"Points on `ref_*` metrics (DPAL `evaluation: reference`): {REF_PROTOCOL_LABEL} (docs/dpal.md).", ""]
     return lines
+
+
+REF_PROTOCOL_LABEL = "reference protocol: not a DP guarantee, not a white-box attack, not a certificate"
+
+
+def _dpal_side_by_side(trials, refs: list[dict]) -> list[str]:
+    """DPAL-paper figures: faithful DPAL, the reference protocol (labelled) and dpal_sound side by side, one row per
+    variant and epsilon (mean ± sd over repeats), with the published points of the spec's reference block."""
+    import re
+
+    import numpy as np
+    import pandas as pd
+
+    from sweeps.report_data import finished, with_metric
+
+    df = finished(trials)
+    if df.empty or "trainable" not in df:
+        return []
+    ev = df["param.evaluation"] if "param.evaluation" in df else None
+    variant = np.where(df["trainable"] == "dpal_sound", "dpal_sound",
+                       np.where((df["trainable"] == "dpal") & (ev == "reference" if ev is not None else False),
+                                f"DPAL, {REF_PROTOCOL_LABEL}", np.where(df["trainable"] == "dpal", "DPAL faithful", "")))
+    df = df.assign(_variant=variant)
+    df = df[df["_variant"] != ""]
+    if df.empty or df["_variant"].nunique() < 2:
+        return []
+    eps_cols = [c for c in ("param.eps_t", "param.epsilon") if c in df]
+    eps_col = eps_cols[0] if eps_cols else None
+    eps = df[eps_cols[0]].astype(float) if eps_cols else pd.Series(math.nan, index=df.index)
+    for c in eps_cols[1:]:
+        eps = eps.fillna(df[c].astype(float))
+    df = df.assign(_eps=eps)
+    sizes = sorted({float(m.group(2)) for c in df.columns
+                    if (m := re.fullmatch(r"(ref_)?acc_(?:fgsm|ifgsm|mim|pgd)_(.+)", str(c))) and _is_float(m.group(2))})
+    cert_sizes = sorted({float(m.group(1)) for c in df.columns
+                         if (m := re.fullmatch(r"(?:ref_)?cert_acc_(.+)", str(c))) and _is_float(m.group(1))})
+    radii = sorted({float(m.group(1)) for c in df.columns
+                    if (m := re.fullmatch(r"smooth_cert_acc_(.+)", str(c))) and _is_float(m.group(1))})
+    for s_ in sizes:
+        df = with_metric(df, f"acc_attack_mean_{s_:.6g}")
+    rows = []
+    for (var, eps), g in df.groupby(["_variant", "_eps"], sort=True, dropna=False):
+        row = {"variant": var, "eps": f"{float(eps):g}" if eps_col else ""}
+        ref_mode = var.startswith("DPAL, reference")
+        for s_ in sizes:
+            col = f"ref_acc_attack_mean_{s_:.6g}" if ref_mode else f"acc_attack_mean_{s_:.6g}"
+            vals = g[col].astype(float).dropna() if col in g else []
+            row[f"attack mean {s_:g}"] = fmt_stat(float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else math.nan, len(vals)) if len(vals) else ""
+        cols = [(f"certified l-inf {s_:g}", f"ref_cert_acc_{s_:.6g}" if ref_mode else f"cert_acc_{s_:.6g}") for s_ in cert_sizes]
+        cols += [(f"smoothing l2 {r_:g}", f"smooth_cert_acc_{r_:.6g}") for r_ in radii]
+        for label, col in cols:
+            vals = g[col].astype(float).dropna() if col in g else []
+            row[label] = fmt_stat(float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else math.nan, len(vals)) if len(vals) else ""
+        rows.append(row)
+    pub = [f"{r['point']}: {r['metric']} = {r['published']}" for r in refs if r.get("published") not in (None, "")]
+    return ["## DPAL: faithful, reference protocol and dpal_sound side by side", "",
+            "Accuracy under attack averaged over FGSM, I-FGSM, MIM and MadryEtAl at each size (`acc_attack_mean_<size>`; "
+            f"the reference protocol's `ref_acc_attack_mean_<size>`) and certified accuracy (`cert_acc_<size>` and "
+            "`ref_cert_acc_<size>` at an l-inf size, `smooth_cert_acc_<r>`: randomized smoothing at an l2 radius), "
+            "mean ± sd over "
+            f"repeats. Rows marked reference protocol: {REF_PROTOCOL_LABEL} (docs/dpal.md). Published: "
+            + ("; ".join(pub) if pub else "none in this spec") + ".", "", *_md_table(rows), ""]
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
 
 
 def _privacy_section(sweep: Sweep) -> list[str]:
@@ -228,6 +300,7 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, pa
              f"tracking URI `{tracking_uri}`.", ""]
     lines += _privacy_section(sweep)
     lines += _reference_section(sweep, refs)
+    lines += _dpal_side_by_side(trials, refs)
     if agg_rows:
         lines += ["## Trials", "",
                   "One row per configuration: repeats (`search.num_samples`; trials that differ only in `seed` and "
@@ -236,6 +309,8 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, pa
                   *_md_table(agg_rows, agg_cols),
                   "", "Every trial's parameters and metrics: `trials.csv`; per configuration with mean, sd and n: "
                   "`trials_aggregated.csv`.", ""]
+        if any(str(c).startswith("ref_") for c in agg_cols):
+            lines += [f"Columns `ref_*` (DPAL `evaluation: reference`): {REF_PROTOCOL_LABEL} (docs/dpal.md).", ""]
     cert_rows = rp.certified_table(sweep, sizes)
     if cert_rows:
         _write_csv(out / "certified_accuracy.csv", cert_rows)

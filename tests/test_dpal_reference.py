@@ -182,3 +182,31 @@ def test_reference_mode_rules(override, field):
     base = dict(evaluation="reference", attacks={"pgd": [0.2]}, attack_labels="predicted")
     with pytest.raises((ValueError, ValidationError), match=field):
         DPALTrialConfig(**{**base, **override})
+
+
+def test_report_side_by_side_labels_reference_rows():
+    """The report's DPAL section puts faithful, reference-protocol and dpal_sound rows side by side, the reference
+    rows labelled; a sweep with faithful DPAL only gets no such section."""
+    import pandas as pd
+
+    from sweeps.report import REF_PROTOCOL_LABEL, _dpal_side_by_side
+
+    rows = []
+    for ev in ("faithful", "reference"):
+        for seed in (0, 1):
+            r = {"trainable": "dpal", "status": "FINISHED", "param.evaluation": ev, "param.eps_t": 2.0, "param.seed": seed}
+            if ev == "faithful":
+                r.update({"acc_fgsm_0.2": 0.1, "acc_pgd_0.2": 0.12, "cert_acc_0.05": 0.0})
+            else:
+                r.update({"ref_acc_attack_mean_0.2": 0.80 + 0.02 * seed, "ref_cert_acc_0.05": 0.7})
+            rows.append(r)
+    rows.append({"trainable": "dpal_sound", "status": "FINISHED", "param.epsilon": 2.0, "acc_pgd_0.2": 0.6,
+                 "smooth_cert_acc_0.5": 0.5})
+    df = pd.DataFrame(rows)
+    text = "\n".join(_dpal_side_by_side(df, [{"point": "p", "metric": "acc_attack_mean_0.2", "published": 0.8959}]))
+    assert f"| DPAL, {REF_PROTOCOL_LABEL} | 2 | 0.81 ± 0.014 | 0.7 ± 0 |" in text
+    assert "| DPAL faithful | 2 | 0.11 ± 0 | 0 ± 0 |" in text
+    assert "| dpal_sound | 2 | 0.6 |  | 0.5 |" in text
+    assert "acc_attack_mean_0.2 = 0.8959" in text
+    faithful_only = df[(df["trainable"] == "dpal") & (df["param.evaluation"] == "faithful")]
+    assert _dpal_side_by_side(faithful_only, []) == []
