@@ -107,8 +107,8 @@ class ReferenceMechanism:
         from dpmech.dpal.reference import ReferenceTrainer
 
         self.cfg = cfg
-        self.trainer = ReferenceTrainer(x.cpu(), y.cpu(), cfg.eps_t, mu_a=cfg.mu_a, batch_size=cfg.batch_size, lr=cfg.lr,
-                                        alpha=cfg.xi, attack_steps=cfg.train_attack_steps, seed=cfg.seed)
+        self.trainer = ReferenceTrainer(x, y, cfg.eps_t, mu_a=cfg.mu_a, batch_size=cfg.batch_size, lr=cfg.lr,
+                                        alpha=cfg.xi, attack_steps=cfg.train_attack_steps, seed=cfg.seed, device=device)
         self.evaluations: list[dict] = []
 
     @property
@@ -130,17 +130,17 @@ class ReferenceMechanism:
         out = {}
         k = min(cfg.certify_images, x.shape[0]) if cert else 0
         for name, attack_sizes in cfg.attacks.items():
-            m = self.trainer.evaluate(x.cpu(), y.cpu(), attacks=(name,), sizes=tuple(attack_sizes), n=cfg.certify_n,
+            m = self.trainer.evaluate(x, y, attacks=(name,), sizes=tuple(attack_sizes), n=cfg.certify_n,
                                       attack_steps=cfg.attack_steps, psi=cfg.psi, seed=cfg.seed + self.trainer.step_count)
             out.update(m)
         if cert:
             for name in (cfg.attacks or {"pgd": ()}):
-                m = self.trainer.evaluate(x[:k].cpu(), y[:k].cpu(), attacks=(name,), sizes=cert, n=cfg.certify_n,
+                m = self.trainer.evaluate(x[:k], y[:k], attacks=(name,), sizes=cert, n=cfg.certify_n,
                                           attack_steps=cfg.attack_steps, psi=cfg.psi, cert_sizes=cert,
                                           seed=cfg.seed + self.trainer.step_count + 1)
                 out.update({key: val for key, val in m.items() if key.startswith("ref_cert_")})
         if not out:
-            out = self.trainer.evaluate(x.cpu(), y.cpu(), attacks=(), n=1)
+            out = self.trainer.evaluate(x, y, attacks=(), n=1)
         del sizes
         self.evaluations.append({"step": self.trainer.step_count, **out})
 
@@ -151,7 +151,8 @@ class ReferenceMechanism:
             self._evaluate(x, y)
         with torch.no_grad():
             nz = self.trainer.noise
-            return float((self.trainer.net(x.cpu(), nz["benign"], nz["h"]).argmax(1) == y.cpu()).float().mean())
+            x, y = x.to(self.trainer.device), y.to(self.trainer.device)
+            return float((self.trainer.net(x, nz["benign"], nz["h"]).argmax(1) == y).float().mean())
 
     def conventional_accuracy(self, x, y, cfg: DPALTrialConfig) -> dict[str, float]:
         """The maximum of each ref_* metric over the evaluations (one more after the last epoch if it was not

@@ -267,7 +267,7 @@ def surrogate_attack(net: RefNet, x: torch.Tensor, name: str, eps: float, steps:
         return (x + eps * grad(x).sign()).clamp(-1, 1).detach()
     xa = x.clone()
     if name == "pgd":
-        u = torch.rand(x.shape, generator=generator, device=x.device) if generator is not None else torch.rand_like(x)
+        u = (torch.rand(x.shape, generator=generator).to(x.device) if generator is not None else torch.rand_like(x))
         xa = (x + (u * 2 - 1) * eps).clamp(-1, 1)
     mom = torch.zeros_like(x)
     for _ in range(steps):
@@ -298,7 +298,7 @@ def shared_draw_counts(net: RefNet, x: torch.Tensor, x_fixed: torch.Tensor, h_fi
     lead = N if per_example else 1
 
     def draw(shape, scale):
-        u = torch.rand((lead, *shape), generator=generator, device=x.device).clamp(1e-12, 1 - 1e-12) - 0.5
+        u = torch.rand((lead, *shape), generator=generator).to(x.device).clamp(1e-12, 1 - 1e-12) - 0.5
         return -scale * u.sign() * torch.log1p(-2 * u.abs())   # Laplace(0, scale) by inversion
     del lap
     for i in range(n):
@@ -365,8 +365,10 @@ class ReferenceTrainer:
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, eps_t: float, *, mu_a: float = 0.2, batch_size: int = 2499,
-                 lr: float = 1e-4, alpha: float = 1.0, attack_steps: int = 10, seed: int = 0):
-        self.x, self.y = x, y
+                 lr: float = 1e-4, alpha: float = 1.0, attack_steps: int = 10, seed: int = 0,
+                 device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else x.device
+        self.x, self.y = x.to(self.device), y.to(self.device)
         self.L = v.positive_int("batch_size", batch_size)
         if x.shape[0] < 2 * self.L:
             raise ValueError(f"batch_size must be at most half the training set ({x.shape[0]}), got {self.L}")
@@ -376,6 +378,7 @@ class ReferenceTrainer:
         self.seed = int(seed)
         self.net = RefNet(seed)
         self.budget = reference_budget(eps_t, self.net.spectral_norm(), self.L)
+        self.net.to(self.device)
         g = torch.Generator().manual_seed(self.seed + 7)
         b = self.budget
         self.noise = {
@@ -384,6 +387,7 @@ class ReferenceTrainer:
             "h": _laplace((1, 32, 14, 14), b.b_h, g),         # perturbFM_h (line 662)
             "chi3": _laplace((HK, 10), b.b_y, g),             # perturbFM (line 393)
         }
+        self.noise = {k: t.to(self.device) for k, t in self.noise.items()}
         self.opt_ae = torch.optim.Adam(self.net.encoder_parameters(), lr=lr)
         self.opt_task = torch.optim.Adam(self.net.task_parameters(), lr=lr)
         self.gen = torch.Generator().manual_seed(self.seed + 11)
@@ -400,7 +404,7 @@ class ReferenceTrainer:
         if self._pos + k > self._perm.numel():
             self._perm = torch.randperm(self.x.shape[0], generator=self.gen)
             self._pos = 0
-        idx = self._perm[self._pos:self._pos + k]
+        idx = self._perm[self._pos:self._pos + k].to(self.device)
         self._pos += k
         return self.x[idx], self.y[idx]
 
@@ -439,6 +443,7 @@ class ReferenceTrainer:
 
         g = torch.Generator().manual_seed(int(seed) * 1000 + 17)
         nz = self.noise
+        xt, yt = xt.to(self.device), yt.to(self.device)
         out: dict[str, float] = {}
         with torch.no_grad():
             out["ref_acc_clean"] = float((self.net(xt, nz["benign"], nz["h"]).argmax(1) == yt).float().mean())
@@ -463,10 +468,10 @@ class ReferenceTrainer:
                 "noise": self.noise}
 
     def load_state_dict(self, state: dict) -> None:
-        self.net.load_state_dict(state["net"])
+        self.net.load_state_dict(state["net"])  # (load_state_dict copies onto the parameters' device)
         self.opt_ae.load_state_dict(state["opt_ae"])
         self.opt_task.load_state_dict(state["opt_task"])
         self.gen.set_state(state["gen"])
         self.step_count = int(state["step_count"])
         self._perm, self._pos = state["perm"], int(state["pos"])
-        self.noise = state["noise"]
+        self.noise = {k: t.to(self.device) for k, t in state["noise"].items()}
