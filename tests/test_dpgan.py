@@ -96,8 +96,9 @@ def test_critic_weights_within_clip_after_every_step():
     assert any(p.abs().max().item() == pytest.approx(c_p) for p in tr.critic.parameters())
 
 
-def test_generator_step_reads_no_real_data():
-    tr = _trainer()
+@pytest.mark.parametrize("extra", [{}, {"mode_seeking": 1.0, "ema": 0.9}])
+def test_generator_step_reads_no_real_data(extra):
+    tr = _trainer(**extra)
     for _ in range(2):
         tr.critic_step()
     calls = {"n": 0}
@@ -318,3 +319,15 @@ def test_generator_ema_is_an_average_of_the_iterates_and_makes_the_samples():
     torch.testing.assert_close(tr.sample(labels, seed=7), tr.generator_ema(z, labels))
     assert not torch.allclose(tr.sample(labels, seed=7), tr.generator(z, labels))
     assert _trainer().generator_ema is None   # ema 0: the last iterate samples
+
+
+def test_mode_seeking_term_changes_the_generator_update_only():
+    a, b = _trainer(), _trainer(mode_seeking=1.0)
+    for tr in (a, b):
+        tr.critic_step()
+    torch.testing.assert_close(list(a.critic.parameters()), list(b.critic.parameters()))
+    for tr in (a, b):
+        tr.generator_step()
+    assert any(not torch.allclose(pa, pb) for pa, pb in zip(a.generator.parameters(), b.generator.parameters()))
+    with pytest.raises(ValueError, match="mode_seeking"):
+        DPGANConfig(mode_seeking=-1.0)

@@ -19,7 +19,7 @@ from trainables.config import CommonConfig
 from trainables.runtime import TrainerMechanism, run_trial
 
 _TRAINER_KEYS = ("dataset", "epsilon", "delta", "epochs", "batch_size", "n_critic", "clip_grad", "clip_weight",
-                 "clip_fake", "ema", "lr_critic", "lr_generator", "optimizer", "latent_dim", "hidden", "architecture", "seed")
+                 "clip_fake", "mode_seeking", "ema", "lr_critic", "lr_generator", "optimizer", "latent_dim", "hidden", "architecture", "seed")
 
 
 class DPGANTrialConfig(CommonConfig):
@@ -35,6 +35,8 @@ class DPGANTrialConfig(CommonConfig):
     clip_weight: float = Field(0.1, gt=0, allow_inf_nan=False, description="c_p: critic weights clipped to [-c_p, c_p]")
     clip_fake: bool = Field(True, description="clip each fake example's critic gradient to c_g too, so real and fake terms "
                             "enter on one scale (no privacy effect; docs/dpgan.md 'Why it did not learn')")
+    mode_seeking: float = Field(0.0, ge=0, allow_inf_nan=False, description="weight of the generator's mode-seeking "
+                                "term (Mao et al. 2019; 0 = the paper's generator loss; no privacy effect)")
     ema: float = Field(0.0, ge=0, lt=1, description="decay of the generator's weight EMA used for sampling "
                        "(0 = the last iterate; post-processing, no privacy effect)")
     lr_critic: float = Field(1e-3, gt=0, allow_inf_nan=False, description="critic learning rate")

@@ -226,7 +226,16 @@ class DPGANTrainer:
     def generator_step(self) -> float:
         """Alg. 1 lines 10-12: G descends -mean f(G(z, y'), y'); no real data is read."""
         z, yf = self._latent(self._fake_batch_size())
-        loss = -self.critic(self.generator(z, yf), yf).mean()
+        xf = self.generator(z, yf)
+        loss = -self.critic(xf, yf).mean()
+        if self.config.mode_seeking > 0 and z.shape[0] >= 2:
+            # Mode seeking (Mao et al. 2019, Eq. 3): reward distinct images for distinct latents of the
+            # same label; a term in z, y and G only (no critic, no data): post-processing.
+            h = z.shape[0] // 2
+            z2 = torch.randn(h, self.config.latent_dim, generator=self.latent_gen, device=self.device)
+            x2 = self.generator(z2, yf[:h])
+            ratio = (xf[:h] - x2).abs().flatten(1).mean(1) / (z[:h] - z2).abs().mean(1)
+            loss = loss - self.config.mode_seeking * ratio.mean()
         self.generator_opt.zero_grad(set_to_none=True)
         loss.backward(inputs=list(self.generator.parameters()))
         self.generator_opt.step()
