@@ -58,7 +58,8 @@ def units() -> list[tuple]:
         [("classification", "lp2st", e) for e in (1.0, 2.0, 4.0)] + [("classification", "lp1st", 1.0)]
     rest = [("classification", m, e) for m in ("lp2st", "lp1st") for e in CLS_EPS] + \
         [("classification", m, e) for m in ("laplace", "rr") for e in CLS_EPS] + \
-        [("regression", "laplace", e) for e in REG_EPS]
+        [("regression", "laplace", e) for e in REG_EPS] + \
+        [("classification", "alibi", e) for e in (1.0, 2.0)]     # optional (issue 16 point 2), last
     rest = [c for c in rest if c not in targets]
     # seed by seed: one seed of every target configuration before the next seed (LP-2ST eps 1 first,
     # the hardest target); regression's baseline seed 0 in the first round, its other seeds after

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from dpmech import _validate as v
 from dpmech.label_dp_rr_prior import rr_with_prior, uniform_prior
 
-METHODS = ("none", "laplace", "rr", "lp1st", "lp2st")
+METHODS = ("none", "laplace", "rr", "lp1st", "lp2st", "alibi")
 STAGE2_INIT = ("stage1", "scratch")
 PRIOR_MODES = ("denoised", "softmax")
 
@@ -162,9 +162,15 @@ class RecipeRun:
                 lam = float(self.beta.beta(alpha, alpha))
                 perm = torch.randperm(len(idx), generator=self.gen).to(xb.device)
                 out = model(lam * xb + (1.0 - lam) * xb[perm])
-                loss = lam * F.cross_entropy(out, yb) + (1.0 - lam) * F.cross_entropy(out, yb[perm])
+                if yb.is_floating_point():       # soft labels (ALIBI): mix the targets
+                    target = lam * yb + (1.0 - lam) * yb[perm]
+                    loss = -(target * F.log_softmax(out, 1)).sum(1).mean()
+                else:
+                    loss = lam * F.cross_entropy(out, yb) + (1.0 - lam) * F.cross_entropy(out, yb[perm])
             elif self.regression:
                 loss = F.mse_loss(model(xb), yb)
+            elif yb.is_floating_point():
+                loss = -(yb * F.log_softmax(model(xb), 1)).sum(1).mean()
             else:
                 loss = F.cross_entropy(model(xb), yb)
             self.opt.zero_grad(set_to_none=True)
@@ -204,7 +210,8 @@ class MSTResult:
 def train_label_dp(method: str, x: torch.Tensor, y: torch.Tensor, epsilon: float | None, *, seed: int,
                    cfg: RecipeConfig, num_classes: int = 10, task: str = "classification",
                    stage1_fraction: float = 0.4, stage1_epochs: int | None = None,
-                   stage2_init: str = "stage1", prior_mode: str = "denoised", log=None) -> MSTResult:
+                   stage2_init: str = "stage1", prior_mode: str = "denoised", alibi_prior: str = "uniform",
+                   log=None) -> MSTResult:
     """Release the labels of (x, y) with ``method`` at ``epsilon`` and train with the recipe.
 
     method: none (true labels), laplace / rr (the seed's release, ``dpmech.label_dp.release_labels``,
@@ -221,7 +228,7 @@ def train_label_dp(method: str, x: torch.Tensor, y: torch.Tensor, epsilon: float
     v.choice("prior_mode", prior_mode, PRIOR_MODES)
     if method != "none":
         v.positive("epsilon", epsilon)
-    if task == "regression" and method not in ("none", "laplace"):
+    if task == "regression" and method not in ("none", "laplace"):  # (alibi: classification only too)
         raise ValueError(f"method must be 'none' or 'laplace' for task 'regression', got {method!r}")
     y = y.to(torch.int64)
     n = x.shape[0]
@@ -245,6 +252,26 @@ def train_label_dp(method: str, x: torch.Tensor, y: torch.Tensor, epsilon: float
         labels = rel.labels
         info["label_keep_rate"] = float(rel.kept(y).float().mean())
         model = fit(make_model(cfg, x.shape[1:], out_dim, _seed(seed, 0)), x, labels, cfg, _seed(seed, 1), method)
+        info["train_seconds"] = time.perf_counter() - t0
+        return MSTResult(model, info)
+    if method == "alibi":
+        from dpmech.label_dp_alibi import PRIORS, alibi_release, alibi_soft_labels
+
+        v.choice("alibi_prior", alibi_prior, PRIORS)
+        noisy, b = alibi_release(y, num_classes, epsilon, lab_gen)
+        soft = alibi_soft_labels(noisy, b).float()
+        info["label_keep_rate"] = float((noisy.argmax(1) == y).float().mean())
+        info["soft_label_true_mass"] = float(soft[torch.arange(n), y].mean())   # diagnostic only
+        model = make_model(cfg, x.shape[1:], out_dim, _seed(seed, 0))
+        run = RecipeRun(model, x, soft, cfg, _seed(seed, 1))
+        for e in range(cfg.epochs):
+            if alibi_prior == "model" and e > 0:   # refresh the prior from the model (images only)
+                prior = torch.softmax(predict(model, x).double(), 1)
+                run.labels = alibi_soft_labels(noisy, b, prior).float()
+            loss = run.train_epoch()
+            if log is not None:
+                log(f"    alibi epoch {e + 1}/{cfg.epochs} loss {loss:.4f} ({time.perf_counter() - t0:.0f} s)")
+        info["alibi_prior"] = alibi_prior
         info["train_seconds"] = time.perf_counter() - t0
         return MSTResult(model, info)
     if method == "lp1st":

@@ -332,3 +332,36 @@ def test_report_figure_draws_every_method_from_a_benchmark_result(tmp_path):
     rows = rows_from_benchmark({"runs": runs})
     assert {r["mechanism"] for r in rows} == {"none", "laplace", "rr", "lp1st", "lp2st"}
     assert plot_labeldp(rows, tmp_path / "f.png") and (tmp_path / "f.png").stat().st_size > 10_000
+
+
+def test_alibi_posterior_is_bayes_rule_on_the_laplace_release():
+    from dpmech.label_dp_alibi import alibi_release, alibi_soft_labels
+
+    y = torch.tensor([0, 3, 9, 5])
+    noisy, b = alibi_release(y, K, 2.0, torch.Generator().manual_seed(0))
+    assert b == 1.0 and noisy.shape == (4, K)
+    post = alibi_soft_labels(noisy, b)
+    # brute force: the full Laplace likelihood of the vector under each label, uniform prior
+    lik = torch.stack([torch.exp(-(noisy - torch.nn.functional.one_hot(torch.tensor(c), K)).abs().sum(1) / b)
+                       for c in range(K)], 1)
+    assert torch.allclose(post, lik / lik.sum(1, keepdim=True), atol=1e-12)
+    prior = torch.softmax(torch.randn(4, K, generator=torch.Generator().manual_seed(1), dtype=torch.float64), 1)
+    want = lik * prior
+    assert torch.allclose(alibi_soft_labels(noisy, b, prior), want / want.sum(1, keepdim=True), atol=1e-12)
+    # negative control: the likelihood at the wrong scale is not the posterior
+    assert not torch.allclose(alibi_soft_labels(noisy, b / 2), post, atol=1e-3)
+    # large epsilon: the soft label concentrates on the true one
+    noisy, b = alibi_release(y, K, 200.0, torch.Generator().manual_seed(0))
+    assert torch.equal(alibi_soft_labels(noisy, b).argmax(1), y)
+
+
+def test_alibi_training_runs_on_soft_labels():
+    from dpmech import label_dp_recipe as rc
+
+    x, y = _data(200, seed=2)
+    for prior in ("uniform", "model"):
+        r = rc.train_label_dp("alibi", x, y, 4.0, seed=0, cfg=rc.RecipeConfig(epochs=2, batch_size=50, width=4, hidden=8),
+                              alibi_prior=prior)
+        assert 0 < r.info["soft_label_true_mass"] <= 1 and r.info["alibi_prior"] == prior
+    with pytest.raises(ValueError, match="alibi_prior"):
+        rc.train_label_dp("alibi", x, y, 4.0, seed=0, cfg=rc.RecipeConfig(epochs=1), alibi_prior="x")
