@@ -294,6 +294,9 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, pa
         "fig6_certified_vs_attack_size.png")
     for title, fname in _mechanism_figures(trials, out):
         figures.append((title, fname, ""))
+    from sweeps.report_samples import sample_grid_figures  # generative trials' sample grids (dpgan, dp_merf)
+
+    figures.extend(sample_grid_figures(sweep, out))
 
     lines = [f"# Sweep report: {experiment}", "",
              f"Parent run `{sweep.parent.info.run_id}` ({sweep.parent.info.run_name}), {len(trials)} trials, "
