@@ -72,6 +72,8 @@ class DPGANTrainer:
                                     config.architecture).to(self.device)
         self.generator, self.critic = self.model.generator, self.model.critic
         self.generator_ema = copy.deepcopy(self.generator).requires_grad_(False) if config.ema > 0 else None
+        if self.generator_ema is not None:  # part of the released model (weights artifact, checkpoints)
+            self.model.generator_ema = self.generator_ema
         self._bk = BookKeeper(self.critic)  # per-example clipping engine (hooks idle unless enabled)
         self._clip_critic_weights()
         opt = torch.optim.RMSprop if config.optimizer == "rmsprop" else torch.optim.Adam
