@@ -172,3 +172,26 @@ def test_trial_schema_and_privacy_event():
     assert validate_config({"epsilon": None}, DPMERFTrialConfig).epsilon is None
     eps = event_epsilon(entry.privacy_event_fn(DPMERFTrialConfig(epsilon=1.0)), 1e-5)
     assert 0.98 < eps <= 1.0
+
+
+def test_trial_runs_end_to_end_without_a_cluster(monkeypatch):
+    """run_trial with the real mechanism (Ray's tune calls replaced by recorders): the final report
+    has tstr_acc = acc_clean, the release's epsilon at most the target, and its noise multiplier."""
+    from ray import tune
+
+    from trainables.dp_merf import DPMERFMechanism, DPMERFTrialConfig
+    from trainables.runtime import run_trial
+
+    reports = []
+    monkeypatch.setattr(tune, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(tune, "get_context", lambda: None)
+    monkeypatch.setattr(tune, "report", lambda metrics, checkpoint=None: reports.append(metrics))
+    config = {"epsilon": 1.0, "train_size": 300, "test_size": 100, "n_features": 200, "epochs": 2,
+              "steps_per_epoch": 2, "batch_size": 20, "tstr_samples": 100, "tstr_epochs": 1, "judge_size": 100,
+              "judge_epochs": 1, "quality_samples": 50, "eval_samples": 50}
+    run_trial(config, DPMERFTrialConfig, DPMERFMechanism, "dp_merf")
+    final = reports[-1]
+    assert final["acc_clean"] == final["tstr_acc"]
+    assert 0.98 < final["epsilon"] <= 1.0
+    assert final["noise_multiplier"] == pytest.approx(noise_multiplier_for(1.0, 1e-5, 1.0, 1))
+    assert final["generator_steps"] == 4 and final["sensitivity"] == 1.0
