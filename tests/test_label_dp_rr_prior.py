@@ -365,3 +365,28 @@ def test_alibi_training_runs_on_soft_labels():
         assert 0 < r.info["soft_label_true_mass"] <= 1 and r.info["alibi_prior"] == prior
     with pytest.raises(ValueError, match="alibi_prior"):
         rc.train_label_dp("alibi", x, y, 4.0, seed=0, cfg=rc.RecipeConfig(epochs=1), alibi_prior="x")
+
+
+def test_trainer_stage2_prior_reads_no_part2_label():
+    """The trainable's LP-2ST: with every part-2 label changed, stage 1 (its release and its
+    model, hence the stage-2 prior) is identical; only the part-2 release differs."""
+    from dpmech.label_dp import LabelDPConfig, LabelDPTrainer
+
+    x, y = _data(150, seed=4)
+    cfg = LabelDPConfig(mechanism="lp2st", epsilon=1.0, epochs=3, stage1_epochs=2, batch_size=50, lr=0.05,
+                        recipe="mixup_sgd", seed=1)
+    a = LabelDPTrainer(cfg, x, y)
+    mask = torch.ones(150, dtype=torch.bool)
+    mask[a.part1] = False
+    y_alt = y.clone()
+    y_alt[mask] = (y[mask] + 1) % K
+    b = LabelDPTrainer(cfg, x, y_alt)
+    for t in (a, b):
+        t.train_epoch()
+        t.train_epoch()
+    assert torch.equal(a.labels, b.labels)
+    for pa, pb in zip(a.model.state_dict().values(), b.model.state_dict().values()):
+        assert torch.equal(pa, pb)
+    a.train_epoch()
+    b.train_epoch()
+    assert torch.equal(a.labels[a.part1], b.labels[b.part1]) and not torch.equal(a.labels, b.labels)
