@@ -78,13 +78,8 @@ def faithful_section() -> dict:
         return {"note": "no faithful full-data result found"}
     d = json.loads(path.read_text())
     runs = {}
-    for key, run in d.get("runs", {}).items():
-        r = {k: run[k] for k in ("acc_clean", "acc_centre_clean") if k in run}
-        r.update(run.get("acc_under_attack", {}))
-        for k in ("cert_acc", "certified_accuracy"):
-            if k in run:
-                r[k] = run[k]
-        runs[key.replace("eps_t=", "eps_")] = r
+    for key, run in d.get("runs", {}).items():   # today's keys unchanged (the config is in the source file)
+        runs[key.replace("eps_t=", "eps_")] = {k: val for k, val in run.items() if k != "config"}
     return {"source": "benchmarks/results/dpal_mnist_full_data.json (benchmarks/dpal_mnist.py)",
             "epochs": d.get("epochs"), "steps_per_run": 24 * d.get("epochs", 0), "attack_steps_train": d.get("attack_steps_train"),
             "runs": runs,

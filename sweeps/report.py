@@ -144,31 +144,40 @@ def _dpal_side_by_side(trials, refs: list[dict]) -> list[str]:
     sizes = sorted({float(m.group(2)) for c in df.columns
                     if (m := re.fullmatch(r"(ref_)?acc_(?:fgsm|ifgsm|mim|pgd)_(.+)", str(c))) and _is_float(m.group(2))})
     cert_sizes = sorted({float(m.group(1)) for c in df.columns
-                         if (m := re.fullmatch(r"(?:ref_)?cert_acc_(.+)", str(c))) and _is_float(m.group(1))})
+                         if (m := re.fullmatch(r"(?:ref_cert_acc|cert_acc|cert_linf_acc)_(.+)", str(c)))
+                         and _is_float(m.group(1))})
     radii = sorted({float(m.group(1)) for c in df.columns
-                    if (m := re.fullmatch(r"smooth_cert_acc_(.+)", str(c))) and _is_float(m.group(1))})
+                    if (m := re.fullmatch(r"(?:smooth_cert_acc|cert_l2_acc)_(.+)", str(c))) and _is_float(m.group(1))})
     for s_ in sizes:
         df = with_metric(df, f"acc_attack_mean_{s_:.6g}")
     rows = []
     for (var, eps), g in df.groupby(["_variant", "_eps"], sort=True, dropna=False):
         row = {"variant": var, "eps": f"{float(eps):g}" if eps_col else ""}
         ref_mode = var.startswith("DPAL, reference")
+        sound = var == "dpal_sound"
+
+        def stat(col):
+            vals = g[col].astype(float).dropna() if col in g else []
+            return fmt_stat(float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else math.nan,
+                            len(vals)) if len(vals) else ""
+
+        row["clean"] = stat("ref_acc_clean" if ref_mode else "acc_clean_smoothed" if sound else "acc_clean")
         for s_ in sizes:
-            col = f"ref_acc_attack_mean_{s_:.6g}" if ref_mode else f"acc_attack_mean_{s_:.6g}"
-            vals = g[col].astype(float).dropna() if col in g else []
-            row[f"attack mean {s_:g}"] = fmt_stat(float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else math.nan, len(vals)) if len(vals) else ""
-        cols = [(f"certified l-inf {s_:g}", f"ref_cert_acc_{s_:.6g}" if ref_mode else f"cert_acc_{s_:.6g}") for s_ in cert_sizes]
-        cols += [(f"smoothing l2 {r_:g}", f"smooth_cert_acc_{r_:.6g}") for r_ in radii]
-        for label, col in cols:
-            vals = g[col].astype(float).dropna() if col in g else []
-            row[label] = fmt_stat(float(np.mean(vals)), float(np.std(vals, ddof=1)) if len(vals) > 1 else math.nan, len(vals)) if len(vals) else ""
+            row[f"attack mean {s_:g}"] = stat(f"ref_acc_attack_mean_{s_:.6g}" if ref_mode else f"acc_attack_mean_{s_:.6g}")
+        for s_ in cert_sizes:
+            row[f"certified l-inf {s_:g}"] = stat(f"ref_cert_acc_{s_:.6g}" if ref_mode else
+                                                  f"cert_linf_acc_{s_:.6g}" if sound else f"cert_acc_{s_:.6g}")
+        for r_ in radii:
+            row[f"certified l2 {r_:g}"] = stat(next((c for c in (f"cert_l2_acc_{r_:.6g}", f"smooth_cert_acc_{r_:.6g}")
+                                                     if c in g and g[c].notna().any()), ""))
         rows.append(row)
     pub = [f"{r['point']}: {r['metric']} = {r['published']}" for r in refs if r.get("published") not in (None, "")]
     return ["## DPAL: faithful, reference protocol and dpal_sound side by side", "",
-            "Accuracy under attack averaged over FGSM, I-FGSM, MIM and MadryEtAl at each size (`acc_attack_mean_<size>`; "
-            f"the reference protocol's `ref_acc_attack_mean_<size>`) and certified accuracy (`cert_acc_<size>` and "
-            "`ref_cert_acc_<size>` at an l-inf size, `smooth_cert_acc_<r>`: randomized smoothing at an l2 radius), "
-            "mean ± sd over "
+            "Clean accuracy (`acc_clean`, `ref_acc_clean`, dpal_sound's `acc_clean_smoothed`), accuracy under attack "
+            "averaged over the attacks run at each size (`acc_attack_mean_<size>`; the reference protocol's "
+            "`ref_acc_attack_mean_<size>`; dpal_sound's attacks are white-box EOT on its noisy classifier with true "
+            "labels) and certified accuracy (`cert_acc_<size>`, `ref_cert_acc_<size>`, `cert_linf_acc_<size>` at an "
+            "l-inf size; `cert_l2_acc_<r>`, `smooth_cert_acc_<r>` at an l2 radius), mean ± sd over "
             f"repeats. Rows marked reference protocol: {REF_PROTOCOL_LABEL} (docs/dpal.md). Published: "
             + ("; ".join(pub) if pub else "none in this spec") + ".", "", *_md_table(rows), ""]
 
