@@ -20,6 +20,10 @@ rewritten after each evaluation; a restart skips what is done. Work is done in r
 (``torch.set_num_threads(1)``): every time in the JSON is a one-thread time on a shared 2-core machine.
 
   nohup nice -n 5 .venv/bin/python benchmarks/dpal_mnist_full.py > /work/logs/dpal_mnist_full.log 2>&1 &
+
+``--probe`` (on the checkpoints, any time): the shared draw against a per-example draw of the same fresh noise,
+clean and under the surrogate's pgd, into benchmarks/results/dpal_mnist_full_probe.json (merged as
+``reference_protocol.<eps>.probe`` by every later save). ``--merge-only``: refresh the faithful, sound and probe parts.
 """
 
 from __future__ import annotations
@@ -97,6 +101,35 @@ def sound_section() -> dict | None:
     return None
 
 
+def probe(args, ckdir: Path) -> None:
+    """The protocol row of docs/dpal.md measured on the reference-protocol models themselves."""
+    from dpmech.dpal.reference import shared_draw_counts, surrogate_attack
+
+    train, test = load_splits("mnist", train_size=None, test_size=args.test, seed=0)
+    x, y = train.tensors
+    xt, yt = test.tensors
+    for name in [c for c in args.configs.split(",") if c]:
+        ck = ckdir / f"{name}_seed{args.seed}.pt"
+        if not ck.exists():
+            continue
+        t = ReferenceTrainer(x, y, CONFIGS[name], mu_a=MU, attack_steps=args.train_attack_steps, seed=args.seed)
+        t.load_state_dict(torch.load(ck, weights_only=False))
+        nz, b = t.noise, t.budget
+        g = torch.Generator().manual_seed(12345)
+        xa = surrogate_attack(t.net, xt, "pgd", MU, args.eval_attack_steps, MU / args.eval_attack_steps, 0.0, g)
+        out = {"step": t.step_count, "n_votes": args.n}
+        for label, inp in (("clean", xt), (f"pgd_{MU:g}", xa)):
+            for per_example in (False, True):
+                counts = shared_draw_counts(t.net, inp, nz["benign"], nz["h"], b.b_x, b.b_h, args.n, g, per_example=per_example)
+                key = f"acc_{label}_{'per_example_draw' if per_example else 'shared_draw'}"
+                out[key] = float((counts.argmax(1) == yt).float().mean())
+        path = RESULTS / "dpal_mnist_full_probe.json"
+        probes = json.loads(path.read_text()) if path.exists() else {}
+        probes[name] = out
+        write_result("dpal_mnist_full_probe", probes, path)
+        log(f"{name} probe: {out}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--round-steps", type=int, default=40, help="training steps per config per round")
@@ -112,6 +145,9 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt-dir", default="/work/logs/dpal_ref_ckpt")
     ap.add_argument("--out", default=str(RESULTS / "dpal_mnist_full.json"))
     ap.add_argument("--merge-only", action="store_true", help="only refresh the faithful and sound sections")
+    ap.add_argument("--probe", action="store_true",
+                    help="on the checkpointed models: votes with one shared draw per iteration against one draw per "
+                         "example (the same fresh noise), clean and under the surrogate's pgd at mu_a; writes <eps>.probe")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -129,6 +165,10 @@ def main(argv=None) -> None:
     }
 
     def save():
+        probe_path = RESULTS / "dpal_mnist_full_probe.json"
+        if probe_path.exists():   # written by --probe (possibly while a run holds this JSON in memory)
+            for name, out in json.loads(probe_path.read_text()).items():
+                ref.setdefault(name, {})["probe"] = out
         result["faithful"] = faithful_section()
         snd = sound_section()
         if snd is not None:
@@ -138,6 +178,9 @@ def main(argv=None) -> None:
 
     if args.merge_only:
         save()
+        return
+    if args.probe:
+        probe(args, ckdir)   # the main JSON is left to the run (--merge-only merges the probe file)
         return
     train, test = load_splits("mnist", train_size=None, test_size=args.test, seed=0)
     x, y = train.tensors
