@@ -210,3 +210,26 @@ def test_report_side_by_side_labels_reference_rows():
     assert "acc_attack_mean_0.2 = 0.8959" in text
     faithful_only = df[(df["trainable"] == "dpal") & (df["param.evaluation"] == "faithful")]
     assert _dpal_side_by_side(faithful_only, []) == []
+
+
+def test_reference_mode_runs_through_run_trial(monkeypatch):
+    """The dpal trainable end to end with evaluation: reference (tune's calls recorded): per-epoch results with a
+    checkpoint, one final result with the ref_* metrics and nothing named acc_* / cert_acc_* / epsilon."""
+    from ray import tune
+
+    from trainables.dpal import dpal
+
+    reports = []
+    monkeypatch.setattr(tune, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(tune, "get_context", lambda: None)
+    monkeypatch.setattr(tune, "report", lambda metrics, checkpoint=None: reports.append((metrics, checkpoint)))
+    config = {"evaluation": "reference", "eps_t": 2.0, "train_size": 600, "test_size": 60, "batch_size": 200,
+              "epochs": 2, "ref_eval_every": 1, "train_attack_steps": 1, "attack_steps": 1, "attacks": {"pgd": [0.2]},
+              "attack_labels": "predicted", "certify_images": 30, "certify_n": 3, "certify_sizes": [0.05]}
+    dpal(config)
+    assert [m["epoch"] for m, _ in reports] == [1, 2, 2]
+    assert all(ck is not None for _, ck in reports[:2])
+    final = reports[-1][0]
+    assert {"ref_acc_clean", "ref_acc_pgd_0.2", "ref_acc_attack_mean_0.2", "ref_cert_acc_0.05", "ref_steps"} <= set(final)
+    assert final["ref_steps"] == 6
+    assert not any(k.startswith(("acc_", "cert_acc_")) or k in ("epsilon", "delta") for k in final)
