@@ -177,7 +177,8 @@ def main(argv=None) -> dict:
                   "threads": 1, "note": "1-thread CPU seconds on a 2-core machine shared with other jobs; "
                   "judge = SmallCNN on the last 5,000 real test images (diagnostic for sample_quality; judge_acc is partly in-sample)",
                   "dpgan_recipes": {eps_key(k): v for k, v in DPGAN_RECIPES.items()}, "dpgan_base": DPGAN_BASE,
-                  "dp_merf_base": MERF_BASE, "dp_merf_paper_base": MERF_PAPER, **aggregate(done), "units": done, "environment": environment(device)}
+                  "dp_merf_base": MERF_BASE, "dp_merf_paper_base": MERF_PAPER,
+                  "superseded_units": state.get("superseded_units", {}), **aggregate(done), "units": done, "environment": environment(device)}
         write_result(NAME, result, args.out)
     log("all units done")
     return state

@@ -236,8 +236,9 @@ class DPGANTrainer:
             h = z.shape[0] // 2
             z2 = torch.randn(h, self.config.latent_dim, generator=self.latent_gen, device=self.device)
             x2 = self.generator(z2, yf[:h])
-            ratio = (xf[:h] - x2).abs().flatten(1).mean(1) / (z[:h] - z2).abs().mean(1)
-            loss = loss - self.config.mode_seeking * ratio.mean()
+            # MSGAN's form: minimise 1 / (ratio + 1e-5), strongest when the generator collapses.
+            ratio = (xf[:h] - x2).abs().mean() / (z[:h] - z2).abs().mean()
+            loss = loss + self.config.mode_seeking / (ratio + 1e-5)
         self.generator_opt.zero_grad(set_to_none=True)
         loss.backward(inputs=list(self.generator.parameters()))
         self.generator_opt.step()
