@@ -34,7 +34,7 @@ class DPGANConfig:
     clip_grad: float = 1.0        # c_g: enforced bound on each real example's critic-gradient norm
     clip_weight: float = 0.1      # c_p: critic weights clipped to [-c_p, c_p] (Alg. 1 line 9)
     clip_fake: bool = True        # clip each fake example's critic gradient to c_g too (no privacy effect)
-    mode_seeking: float = 0.0     # weight of the generator's mode-seeking term (Mao et al. 2019; 0 = the paper)
+    mode_seeking: float = 0.0     # lambda of the generator's mode-seeking term lambda / (ratio + 1e-5) (Mao et al. 2019; 0 = the paper)
     ema: float = 0.0              # decay of the generator's weight EMA used for sampling (0 = last iterate)
     lr_critic: float = 1e-3
     lr_generator: float = 1e-3
