@@ -111,7 +111,8 @@ def summarize() -> dict:
         if not runs:
             continue
         entry: dict = {}
-        names = [k for k in runs[0] if k.startswith(("acc_", "cert_")) and isinstance(runs[0][k], (int, float))]
+        names = [k for k in runs[0] if (k.startswith(("acc_", "cert_")) or "abstain" in k)
+                 and isinstance(runs[0][k], (int, float))]
         for k in list(KEYS) + [n for n in names if n not in KEYS]:
             vals = [r[k] for r in runs]
             entry[k] = statistics.fmean(vals)
