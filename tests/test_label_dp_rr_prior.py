@@ -126,7 +126,7 @@ def _freq_check(sample_fn, order, k, eps, n=200_000, seed=3):
     pvals = []
     for y in range(K):
         g = torch.Generator().manual_seed(seed * 100 + y)
-        out = sample_fn(torch.full((n,), y, dtype=torch.int64), torch.tensor([order] * n), torch.full((n,), k), eps, g)
+        out = sample_fn(torch.full((n,), y, dtype=torch.int64), torch.tensor(order).expand(n, K), torch.full((n,), k), eps, g)
         counts = np.bincount(out.numpy(), minlength=K)
         support = m[y] > 0
         assert counts[~support].sum() == 0, f"output outside the support for y={y}"
