@@ -304,20 +304,24 @@ def fmt(s: float) -> str:
 def evaluate(model: nn.Module, sigma: float, x: torch.Tensor, y: torch.Tensor, *, seed: int = 0,
              predict_n: int = 100, predict_size: int | None = None, cert_size: int = 1000, cert_n0: int = 100,
              cert_n: int = 10_000, alpha: float = 0.001, l2_radii=(0.25, 0.5, 0.75, 1.0),
-             linf_sizes=(0.01, 0.02, 0.03, 0.05), pgd_sizes=(0.1, 0.2), pgd_size_n: int = 1000,
-             pgd_steps: int = 20, eot_samples: int = 8, batch_size: int = 4096, progress=None) -> dict:
+             linf_sizes=(0.01, 0.02, 0.03, 0.05), pgd_sizes=(0.1, 0.2), attacks: dict | None = None,
+             pgd_size_n: int = 1000, pgd_steps: int = 20, eot_samples: int = 8, batch_size: int = 4096,
+             progress=None) -> dict:
     """The dpal_sound metrics (docs/metrics.md) of a trained base model f under smoothing noise sigma:
 
-    * ``acc_clean_smoothed``: PREDICT (Cohen et al.'s, n = predict_n, alpha) on the first
-      ``predict_size`` test inputs (all by default); an abstention is wrong;
-    * ``cert_l2_acc_<r>``, ``cert_linf_acc_<s>`` (s sqrt(d) as l2 radius), ``cert_abstain_rate``:
-      CERTIFY (n0, n, alpha) on the first ``cert_size`` test inputs;
-    * ``acc_pgd_<s>``: white-box EOT-PGD (l-inf s in [-1, 1], ``pgd_steps`` steps, ``eot_samples``
-      noise draws per gradient, true labels, random start) on the noisy classifier, then PREDICT of
-      the adversarial input, on the first ``pgd_size_n`` test inputs.
+    * ``acc_clean_smoothed`` (also ``acc_clean``): PREDICT (Cohen et al.'s, n = predict_n, alpha) on
+      the first ``predict_size`` test inputs (all by default); an abstention is wrong;
+      ``abstain_rate_smoothed`` its abstentions;
+    * ``cert_l2_acc_<r>``, ``cert_linf_acc_<s>`` (certified l2 radius >= s sqrt(d)), ``cert_abstain_rate``:
+      CERTIFY (n0, n, alpha) on the first ``cert_size`` test inputs (0: skipped);
+    * ``acc_<attack>_<s>``: white-box EOT attack (l-inf s in [-1, 1], ``pgd_steps`` iterations,
+      ``eot_samples`` noise draws per gradient, true labels; pgd with a random start) on the noisy
+      classifier f(. + N(0, sigma^2 I)), then PREDICT of the adversarial input, on the first
+      ``pgd_size_n`` test inputs; ``attacks`` maps names to sizes (default ``{"pgd": pgd_sizes}``);
+      ``acc_worst_<s>``: correct clean and under every attack at size s (same inputs).
     Independent generators per part, from ``seed``."""
     from dpmech import smoothing
-    from dpmech.attacks import pgd
+    from dpmech.attacks import attack as run_attack
 
     model.eval()
     dev = next(model.parameters()).device
@@ -325,34 +329,50 @@ def evaluate(model: nn.Module, sigma: float, x: torch.Tensor, y: torch.Tensor, *
     out: dict[str, float] = {}
     gen = lambda k: torch.Generator(device=dev).manual_seed(stream_seed(seed, 100 + k))  # noqa: E731
     say = progress or (lambda msg: None)
+    y_np = y.cpu().numpy()
 
-    xp, yp = (x, y) if predict_size is None else (x[:predict_size], y[:predict_size])
+    xp, yp = (x, y_np) if predict_size is None else (x[:predict_size], y_np[:predict_size])
     pred = smoothing.predict(model, sigma, xp.to(dev), n=predict_n, alpha=alpha, generator=gen(0), batch_size=batch_size)
-    out["acc_clean_smoothed"] = float((pred == yp.numpy()).mean())
+    out["acc_clean_smoothed"] = out["acc_clean"] = float((pred == yp).mean())
     out["abstain_rate_smoothed"] = float((pred == smoothing.ABSTAIN).mean())
+    clean_ok = pred == yp
     say(f"acc_clean_smoothed {out['acc_clean_smoothed']:.4f}")
 
-    xc, yc = x[:cert_size], y[:cert_size]
-    res = smoothing.certify(model, sigma, xc.to(dev), yc.numpy(), n0=cert_n0, n=cert_n, alpha=alpha,
-                            generator=gen(1), batch_size=batch_size)
-    for r, acc in smoothing.certified_accuracy(res, l2_radii).items():
-        out[f"cert_l2_acc_{fmt(r)}"] = acc
-    for s in linf_sizes:
-        out[f"cert_linf_acc_{fmt(s)}"] = smoothing.certified_accuracy(res, [s * math.sqrt(d)])[s * math.sqrt(d)]
-    out["cert_abstain_rate"] = res.abstain_rate()
-    out["cert_acc"] = res.accuracy()
-    say("certified " + ", ".join(f"{k} {v_:.4f}" for k, v_ in out.items() if k.startswith("cert_")))
+    k = min(int(cert_size), x.shape[0])
+    if k > 0:
+        res = smoothing.certify(model, sigma, x[:k].to(dev), y_np[:k], n0=cert_n0, n=cert_n, alpha=alpha,
+                                generator=gen(1), batch_size=batch_size)
+        for r, acc in smoothing.certified_accuracy(res, l2_radii).items():
+            out[f"cert_l2_acc_{fmt(r)}"] = acc
+        for s in linf_sizes:
+            out[f"cert_linf_acc_{fmt(s)}"] = smoothing.certified_accuracy(res, [s * math.sqrt(d)])[s * math.sqrt(d)]
+        out["cert_abstain_rate"] = res.abstain_rate()
+        say("certified " + ", ".join(f"{k_} {v_:.4f}" for k_, v_ in out.items() if k_.startswith("cert_")))
 
-    xa_all, ya_all = x[:pgd_size_n], y[:pgd_size_n]
+    attacks = {"pgd": tuple(pgd_sizes)} if attacks is None else attacks
+    m = min(int(pgd_size_n), x.shape[0])
+    xa_all, ya_all = x[:m], y[:m]
     noisy = NoisyClassifier(model, sigma, gen(2))
     start_gen = gen(3)
-    for s in pgd_sizes:
-        advs = []
-        for i in range(0, xa_all.shape[0], 250):
-            xb, yb = xa_all[i:i + 250].to(dev), ya_all[i:i + 250].to(dev)
-            advs.append(pgd(noisy, xb, yb, eps=s, steps=pgd_steps, eot_samples=eot_samples, generator=start_gen).cpu())
-        adv = torch.cat(advs)
-        pred = smoothing.predict(model, sigma, adv.to(dev), n=predict_n, alpha=alpha, generator=gen(4), batch_size=batch_size)
-        out[f"acc_pgd_{fmt(s)}"] = float((pred == ya_all.numpy()).mean())
-        say(f"acc_pgd_{fmt(s)} {out[f'acc_pgd_{fmt(s)}']:.4f}")
+    worst: dict[float, np.ndarray] = {}
+    for name, sizes in attacks.items():
+        for s in sizes:
+            kw = dict(eps=s, eot_samples=eot_samples, norm="linf")
+            if name in ("ifgsm", "mim", "pgd"):
+                kw["steps"] = pgd_steps
+            if name == "pgd":
+                kw["generator"] = start_gen
+            advs = []
+            for i in range(0, m, 250):
+                xb, yb = xa_all[i:i + 250].to(dev), ya_all[i:i + 250].to(dev)
+                advs.append(run_attack(name, noisy, xb, yb, **kw).cpu())
+            adv = torch.cat(advs)
+            pred = smoothing.predict(model, sigma, adv.to(dev), n=predict_n, alpha=alpha, generator=gen(4),
+                                     batch_size=batch_size)
+            ok = pred == y_np[:m]
+            out[f"acc_{name}_{fmt(s)}"] = float(ok.mean())
+            worst[s] = (worst[s] & ok) if s in worst else (ok & clean_ok[:m])
+            say(f"acc_{name}_{fmt(s)} {out[f'acc_{name}_{fmt(s)}']:.4f}")
+    for s, ok in worst.items():
+        out[f"acc_worst_{fmt(s)}"] = float(ok.mean())
     return out
