@@ -8,7 +8,9 @@ Critic step (Alg. 1 lines 3-9), with the paper's assumption on c_g *enforced*:
 * line 5: m fake examples G(z, y') with z ~ N(0, I) and labels y' uniform over the classes (no real
   data: neither images nor the label distribution);
 * line 6: the critic loss L = mean_fake f(G(z, y'), y') - (1/m) sum_real f(x_i, y_i); the real term's
-  per-example gradients (torch.func vmap/grad) are each clipped to norm <= c_g;
+  per-example gradients are each clipped to norm <= c_g by the book-keeping engine
+  (:mod:`dpmech.clipping`; :meth:`clipped_real_gradients` is the torch.func reference the tests use);
+  with ``clip_fake`` each fake example's gradient is clipped to c_g too (docs/dpgan.md);
 * line 7: Gaussian noise N(0, (sigma c_g)^2 I) is added to the *sum* of the clipped real gradients,
   which is then divided by the expected batch size m (Abadi et al. 2016's normalisation, so the
   divisor does not depend on the data); the fake term's gradient is added without noise, as it is
