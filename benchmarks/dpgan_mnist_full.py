@@ -6,9 +6,11 @@ judge's scores of the samples (``sample_quality``, ``classifier_score``: a CNN t
 held-out images). Units, in this order (the issue's targets first; resumable, every finished unit is
 written at once and skipped on restart):
 
-1. DP-MERF epsilon 1 and 10, seed 0; 2. DPGAN epsilon 10 and 1, seed 0; 3. DP-MERF with the paper's
-600 generator steps (``dp_merf_paper``), seed 0; 4. DP-MERF seeds 1, 2;
-5. the non-private DPGAN (WGAN) seed 0; 6. DPGAN seeds 1, 2; 7. the non-private DP-MERF.
+1. DP-MERF epsilon 1 and 10, seed 0 (5 x 40 generator steps); 2. DPGAN epsilon 10 and 1, seed 0; 3. the
+``dpgan_v2`` recipe at epsilon 10; 4. DP-MERF with the paper's 600 generator steps (``dp_merf_paper``),
+seeds 0, 1, 2;
+5. the non-private DPGAN (WGAN) seed 0; 6. DPGAN seeds 1, 2; 7. the non-private DP-MERF (paper steps);
+8. the 5 x 40-step DP-MERF at seeds 1, 2.
 
 Writes benchmarks/results/dpgan_mnist_full.json (``dpgan.eps_10.tstr_acc`` = mean over the seeds done,
 ``..._std``, ``..._seeds``, ``epsilon_rdp``, ``train_seconds``; ``units`` holds every run) and a
@@ -67,10 +69,11 @@ MERF_PAPER = {**MERF_BASE, "steps_per_epoch": 120}
 def units():
     out = [("dp_merf", 1.0, 0), ("dp_merf", 10.0, 0), ("dpgan", 10.0, 0), ("dpgan", 1.0, 0)]
     out += [("dpgan_v2", 10.0, 0), ("dp_merf_paper", 1.0, 0), ("dp_merf_paper", 10.0, 0)]
-    out += [("dp_merf", e, s) for s in (1, 2) for e in (1.0, 10.0)]
+    out += [("dp_merf_paper", e, s) for s in (1, 2) for e in (1.0, 10.0)]
     out += [("dpgan", None, 0)]
     out += [("dpgan", e, s) for s in (1, 2) for e in (10.0, 1.0)]
-    out += [("dp_merf", None, 0)]
+    out += [("dp_merf_paper", None, 0)]
+    out += [("dp_merf", e, s) for s in (1, 2) for e in (1.0, 10.0)]
     return out
 
 
