@@ -167,8 +167,8 @@ def main(argv=None) -> None:
     def save():
         probe_path = RESULTS / "dpal_mnist_full_probe.json"
         if probe_path.exists():   # written by --probe (possibly while a run holds this JSON in memory)
-            for name, out in json.loads(probe_path.read_text()).items():
-                ref.setdefault(name, {})["probe"] = out
+            for name, measured in json.loads(probe_path.read_text()).items():
+                ref.setdefault(name, {})["probe"] = measured
         result["faithful"] = faithful_section()
         snd = sound_section()
         if snd is not None:
