@@ -218,6 +218,8 @@ def test_attack_labels_is_a_parent_param():
     from sweeps.spec import spec_to_flat_params
 
     assert spec_to_flat_params(validate_spec(DPSGD))["attack_labels"] == "true"
-    assert spec_to_flat_params(load_spec(ROOT / "sweeps" / "dpal_mnist_fig2.yaml"))["attack_labels"] == "predicted"
+    assert spec_to_flat_params(load_spec(ROOT / "sweeps" / "dpal_mnist_fig4.yaml"))["attack_labels"] == "predicted"
+    # Fig. 2 runs dpal (the paper's predicted labels) beside dpal_sound (true labels): both are recorded
+    assert spec_to_flat_params(load_spec(ROOT / "sweeps" / "dpal_mnist_fig2.yaml"))["attack_labels"] == "predicted, true"
     both = _spec({"trainables.0.search.attack_labels": ["true", "predicted"]})
     assert spec_to_flat_params(validate_spec(both))["attack_labels"] == "predicted, true"
