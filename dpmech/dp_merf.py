@@ -37,6 +37,7 @@ from torch import nn
 from dpmech import _validate as v
 from dpmech.accounting import PrivacyLedger, noise_multiplier_for, subsampled_gaussian_event
 from dpmech.data import num_classes
+from dpmech.dpgan.evaluate import JudgedSampler
 
 DATASETS = ("mnist", "fashion_mnist", "cifar10")
 # The paper's MNIST kernel: rff_sigma 105 on pixels in [0, 1], frequencies N(0, 1/105), i.e. a
@@ -190,7 +191,7 @@ class ConvConditionalGenerator(nn.Module):
         return torch.tanh(self.conv2(F.interpolate(h, scale_factor=2, mode="bilinear", align_corners=True)))
 
 
-class DPMERFTrainer:
+class DPMERFTrainer(JudgedSampler):
     """DP-MERF: the release happens in the constructor; :meth:`train` touches the released embedding only.
 
     The same sampling / judge interface as :class:`dpmech.dpgan.DPGANTrainer` (``sample``,
@@ -286,29 +287,6 @@ class DPMERFTrainer:
             z = torch.randn(yb.shape[0], self.config.code_dim, generator=gen).to(self.device)
             out.append(self.generator(z, yb))
         return torch.cat(out) if out else torch.zeros(0, *self.input_shape, device=self.device)
-
-    def judge(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None):
-        """The real-data classifier that scores samples (trained once on ``judge_data``, else on the
-        first (x, y) given, which must not be training data)."""
-        if self._judge is None:
-            from dpmech.dpgan.evaluate import train_classifier
-
-            jx, jy = self._judge_data if self._judge_data is not None else (x, y)
-            if jx is None:
-                raise ValueError("judge_data: no real non-training data to train the sample-quality classifier on")
-            self._judge = train_classifier(jx, jy, classes=self.classes, epochs=self.judge_epochs,
-                                           seed=self.config.seed + 4, device=self.device)
-        return self._judge
-
-    @torch.no_grad()
-    def accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """The judge's agreement with the conditioning label on samples for the first ``eval_samples``
-        test labels (same latents every call)."""
-        from dpmech.dpgan.evaluate import predict
-
-        judge = self.judge(x, y)
-        labels = y[:self.eval_samples].to(self.device)
-        return float((predict(judge, self.sample(labels, seed=self.config.seed + 5)) == labels).float().mean())
 
     # -------------------------------------------------------------- privacy
     def privacy(self) -> dict[str, float]:

@@ -83,6 +83,33 @@ def balanced_labels(n: int, classes: int) -> torch.Tensor:
     return torch.arange(n) % classes
 
 
+class JudgedSampler:
+    """The sample judge shared by the generative trainers (DPGAN, DP-MERF): a real-data classifier
+    that scores generated samples. The trainer sets ``_judge_data`` (real, non-training (x, y) or
+    None), ``judge_epochs``, ``eval_samples``, ``_judge = None``, ``classes``, ``device``,
+    ``config.seed`` and provides ``sample(labels, seed)``."""
+
+    def judge(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None):
+        """The real-data classifier that scores samples (trained once, deterministically, on
+        ``judge_data``; without it, on the first (x, y) given, which must not be training data)."""
+        if self._judge is None:
+            jx, jy = self._judge_data if self._judge_data is not None else (x, y)
+            if jx is None:
+                raise ValueError("judge_data: no real non-training data to train the sample-quality classifier on")
+            self._judge = train_classifier(jx, jy, classes=self.classes, epochs=self.judge_epochs,
+                                           seed=self.config.seed + 4, device=self.device)
+        return self._judge
+
+    @torch.no_grad()
+    def accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Per-epoch ``test_acc``: the fraction of samples conditioned on the first
+        ``eval_samples`` test labels that the real-data judge classifies as their label
+        (the same latent draws every call, so epochs are comparable)."""
+        judge = self.judge(x, y)
+        labels = y[:self.eval_samples].to(self.device)
+        return float((predict(judge, self.sample(labels, seed=self.config.seed + 5)) == labels).float().mean())
+
+
 def synthetic_dataset(trainer, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """n labelled samples of the trainer's generator (balanced labels, latents seeded by ``seed``)."""
     y = balanced_labels(n, trainer.classes).to(trainer.device)

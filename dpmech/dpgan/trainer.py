@@ -40,10 +40,11 @@ from dpmech.clipping import BookKeeper
 from dpmech.data import num_classes
 from dpmech.dpgan.config import (DPGANConfig, calibrate_noise, paper_lemma2_epsilon, planned_critic_steps,
                                  sampling_rate, steps_per_epoch)
+from dpmech.dpgan.evaluate import JudgedSampler
 from dpmech.dpgan.models import DPGANModel
 
 
-class DPGANTrainer:
+class DPGANTrainer(JudgedSampler):
     """Trains a conditional DPGAN on in-memory tensors (images in [-1, 1], int64 labels)."""
 
     def __init__(self, config: DPGANConfig, x_train: torch.Tensor, y_train: torch.Tensor, *,
@@ -299,31 +300,6 @@ class DPGANTrainer:
         """f_w(x, y) for each example (the privacy audit's membership score)."""
         return torch.cat([self.critic(x[s:s + batch_size].to(self.device), y[s:s + batch_size].to(self.device)).cpu()
                           for s in range(0, x.shape[0], batch_size)])
-
-    def judge(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None):
-        """The real-data classifier that scores samples (trained once, deterministically, on
-        ``judge_data``; without it, on the first (x, y) given, which must not be training data)."""
-        if self._judge is None:
-            from dpmech.dpgan.evaluate import train_classifier
-
-            jx, jy = self._judge_data if self._judge_data is not None else (x, y)
-            if jx is None:
-                raise ValueError("judge_data: no real non-training data to train the sample-quality classifier on")
-            self._judge = train_classifier(jx, jy, classes=self.classes, epochs=self.judge_epochs,
-                                           seed=self.config.seed + 4, device=self.device)
-        return self._judge
-
-    @torch.no_grad()
-    def accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Per-epoch ``test_acc``: the fraction of samples conditioned on the first
-        ``eval_samples`` test labels that the real-data judge classifies as their label
-        (the same latent draws every epoch, so epochs are comparable)."""
-        from dpmech.dpgan.evaluate import predict
-
-        judge = self.judge(x, y)
-        labels = y[:self.eval_samples].to(self.device)
-        images = self.sample(labels, seed=self.config.seed + 5)
-        return float((predict(judge, images) == labels).float().mean())
 
     # -------------------------------------------------------------- privacy
     def privacy(self) -> dict[str, float]:
