@@ -111,8 +111,9 @@ def summarize() -> dict:
         if not runs:
             continue
         entry: dict = {}
+        # metrics every run has (runs from before an evaluation change may lack newer names)
         names = [k for k in runs[0] if (k.startswith(("acc_", "cert_")) or "abstain" in k)
-                 and isinstance(runs[0][k], (int, float))]
+                 and isinstance(runs[0][k], (int, float)) and all(k in r for r in runs)]
         for k in list(KEYS) + [n for n in names if n not in KEYS]:
             vals = [r[k] for r in runs]
             entry[k] = statistics.fmean(vals)
