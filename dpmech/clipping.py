@@ -88,11 +88,18 @@ class BookKeeper:
     """Forward hooks saving each supported layer's input and output; :meth:`clipped_sum` then
     computes sum_i min(1, C/||g_i||) g_i into ``p.grad`` of every trainable parameter."""
 
-    def __init__(self, model: nn.Module, prefer: str = "mixed"):
+    def __init__(self, model: nn.Module, prefer: str = "mixed", rows_per_example: int = 1):
         if prefer not in PREFER:
             raise ValueError(f"prefer must be one of {PREFER}, got {prefer!r}")
+        if rows_per_example < 1:
+            raise ValueError(f"rows_per_example must be >= 1, got {rows_per_example}")
         self.model = model
         self.prefer = prefer
+        # k > 1: rows i, B + i, ..., (k-1)B + i of a kB-row forward pass are ONE example (its gradient
+        # is their sum, clipped once): per layer the k rows are concatenated along the position axis
+        # (a linear layer on vectors becomes T = k positions, a convolution kT), so g_i^W =
+        # sum_j dz_{jB+i}^T a_{jB+i} and the ghost-norm / instantiation rules apply exactly
+        self.rows_per_example = rows_per_example
         self.layers = check_model(model)
         self._saved: dict[nn.Module, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self.enabled = False
@@ -115,12 +122,20 @@ class BookKeeper:
     def _per_layer(self, m: nn.Module, a: torch.Tensor, dz: torch.Tensor):
         """Squared per-example norms [B] of this layer's parameter gradients, and a closure giving
         the clipped sums (weight, bias) for factors c [B]."""
-        b = a.shape[0]
+        k, rows = self.rows_per_example, a.shape[0]
+        if rows % k:
+            raise ValueError(f"clipping: {k} rows per example need a multiple of {k} rows, got {rows}")
+        b = rows // k
+
+        def fold(t: torch.Tensor) -> torch.Tensor:     # [kB, x, T] -> [B, x, kT] (rows jB + i -> example i)
+            return t if k == 1 else t.reshape(k, b, *t.shape[1:]).permute(1, 2, 0, 3).reshape(b, t.shape[1], -1)
+
         if isinstance(m, nn.GroupNorm):
             xhat = F.group_norm(a, m.num_groups, eps=m.eps)
             dims = tuple(range(2, dz.dim()))
-            gw = (dz * xhat).sum(dims) if m.weight is not None else None      # [B, C]
+            gw = (dz * xhat).sum(dims) if m.weight is not None else None      # [kB, C]
             gb = dz.sum(dims) if m.bias is not None else None
+            gw, gb = (None if g is None else g.reshape(k, b, -1).sum(0) for g in (gw, gb))   # [B, C]
             sq = sum((g * g).sum(1) for g in (gw, gb) if g is not None)
 
             def clipped(c):
@@ -130,11 +145,12 @@ class BookKeeper:
         # columns layout: u [B, d, T] (inputs / unfolded patches), g [B, p, T] (output gradients)
         conv = isinstance(m, nn.Conv2d)
         if conv:
-            u = _patches(a, m).permute(0, 1, 4, 5, 2, 3).reshape(b, -1, dz.shape[2] * dz.shape[3])   # [B, d, T]
-            g = dz.reshape(b, dz.shape[1], -1)
+            u = _patches(a, m).permute(0, 1, 4, 5, 2, 3).reshape(rows, -1, dz.shape[2] * dz.shape[3])   # [B, d, T]
+            g = dz.reshape(rows, dz.shape[1], -1)
         else:
-            u = a.reshape(b, -1, a.shape[-1]).transpose(1, 2)
-            g = dz.reshape(b, -1, dz.shape[-1]).transpose(1, 2)
+            u = a.reshape(rows, -1, a.shape[-1]).transpose(1, 2)
+            g = dz.reshape(rows, -1, dz.shape[-1]).transpose(1, 2)
+        u, g = fold(u), fold(g)
         d, t = u.shape[1], u.shape[2]
         p = g.shape[1]
         has_bias = m.bias is not None and m.bias.requires_grad
@@ -163,7 +179,7 @@ class BookKeeper:
             if inst is not None:
                 w = (c @ inst.reshape(b, -1)).reshape(shape)
             elif conv:
-                w = torch.nn.grad.conv2d_weight(a, shape, dz * c.reshape(-1, *([1] * (dz.dim() - 1))),
+                w = torch.nn.grad.conv2d_weight(a, shape, dz * c.repeat(k).reshape(-1, *([1] * (dz.dim() - 1))),
                                                 stride=m.stride, padding=m.padding, dilation=m.dilation)
             else:
                 w = torch.einsum("bpt,bdt->pd", g * c[:, None, None], u).reshape(shape)

@@ -55,7 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dpmech import _validate as v
-from dpmech.clipping import INST_MAX, BookKeeper, _patches
+from dpmech.clipping import BookKeeper
 from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer, stream_seed
 
 ENSEMBLE = ("fgsm", "ifgsm", "mim", "pgd")
@@ -98,65 +98,12 @@ class DPALSoundConfig(DPSGDConfig):
 
 class PairedBookKeeper(BookKeeper):
     """Book-keeping clipping (:mod:`dpmech.clipping`) where rows i and B + i of a 2B-row forward pass
-    are ONE example: its gradient is the sum of both rows' gradients, clipped once.
+    (benign then adversarial) are ONE example: its gradient is the sum of both rows' gradients,
+    clipped once (``BookKeeper(rows_per_example=2)``: the two rows are concatenated along the
+    position axis, so the ghost-norm / instantiation rules apply exactly)."""
 
-    Per layer, the two rows' inputs and output gradients are concatenated along the position axis
-    (a linear layer becomes T = 2 positions, a convolution 2T): g_i^W = [dz_i, dz_{B+i}]^T [a_i, a_{B+i}]
-    = g_{row i}^W + g_{row B+i}^W, and the same ghost-norm / instantiation rules apply exactly.
-    GroupNorm's [2B, C] per-row gradients are summed pairwise."""
-
-    def _per_layer(self, m: nn.Module, a: torch.Tensor, dz: torch.Tensor):
-        b2 = a.shape[0]
-        if b2 % 2:
-            raise ValueError(f"PairedBookKeeper needs an even number of rows (benign then adversarial), got {b2}")
-        b = b2 // 2
-        if isinstance(m, nn.GroupNorm):
-            xhat = F.group_norm(a, m.num_groups, eps=m.eps)
-            dims = tuple(range(2, dz.dim()))
-            gw = (dz * xhat).sum(dims) if m.weight is not None else None
-            gb = dz.sum(dims) if m.bias is not None else None
-            gw = None if gw is None else gw[:b] + gw[b:]
-            gb = None if gb is None else gb[:b] + gb[b:]
-            sq = sum((g * g).sum(1) for g in (gw, gb) if g is not None)
-
-            def clipped(c):
-                return (None if gw is None else c @ gw), (None if gb is None else c @ gb)
-            return sq, clipped
-
-        conv = isinstance(m, nn.Conv2d)
-        if conv:
-            u = _patches(a, m).permute(0, 1, 4, 5, 2, 3).reshape(b2, -1, dz.shape[2] * dz.shape[3])
-            g = dz.reshape(b2, dz.shape[1], -1)
-        else:
-            u = a.reshape(b2, -1, a.shape[-1]).transpose(1, 2)
-            g = dz.reshape(b2, -1, dz.shape[-1]).transpose(1, 2)
-        u = torch.cat([u[:b], u[b:]], dim=2)                  # [B, d, 2T]
-        g = torch.cat([g[:b], g[b:]], dim=2)                  # [B, p, 2T]
-        d, t, p = u.shape[1], u.shape[2], g.shape[1]
-        has_bias = m.bias is not None and m.bias.requires_grad
-        gb = g.sum(2) if has_bias else None
-        sq = (gb * gb).sum(1) if has_bias else torch.zeros(b, dtype=a.dtype, device=a.device)
-        shape = m.weight.shape
-        inst = None
-        if self.prefer == "inst" or (self.prefer == "mixed" and p * d <= t * t * (p + d) and b * p * d <= INST_MAX):
-            inst = torch.bmm(g, u.transpose(1, 2))            # [B, p, d]
-            sq = sq + torch.linalg.vector_norm(inst.reshape(b, -1), dim=1).square()
-        else:
-            aa = torch.bmm(u.transpose(1, 2), u)
-            gg = torch.bmm(g.transpose(1, 2), g)
-            sq = sq + (aa * gg).sum((1, 2))
-
-        def clipped(c):
-            if inst is not None:
-                w = (c @ inst.reshape(b, -1)).reshape(shape)
-            elif conv:
-                c2 = torch.cat([c, c])
-                w = torch.nn.grad.conv2d_weight(a, shape, dz * c2.reshape(-1, *([1] * (dz.dim() - 1))),
-                                                stride=m.stride, padding=m.padding, dilation=m.dilation)
-            else:
-                w = torch.einsum("bpt,bdt->pd", g * c[:, None, None], u).reshape(shape)
-            return w, (None if gb is None else c @ gb)
-        return sq, clipped
+    def __init__(self, model: nn.Module, prefer: str = "mixed"):
+        super().__init__(model, prefer=prefer, rows_per_example=2)
 
 
 def per_example_loss(ce_benign: torch.Tensor, ce_adv: torch.Tensor, xi: float) -> torch.Tensor:
