@@ -22,6 +22,12 @@ name               network
 Padding of the first MNIST convolution: Tramer & Boneh's code pads by 2 (28 -> 13 -> 12 -> 5 ->
 4), TF-Privacy's tutorial (Papernot et al.) uses 'SAME' (pad 3: 28 -> 14 -> 13 -> 5 -> 4); both
 end in 32 x 4 x 4 features. We follow T&B's code (docs/dpsgd.md).
+
+Input range (``input_range``): the project's images are in [-1, 1]; T&B's end-to-end CNNs read MNIST
+through ``transforms.ToTensor()`` alone, i.e. in [0, 1] (ftramer/Handcrafted-DP ``data.py``,
+``get_data``: no ``Normalize`` for MNIST/FashionMNIST). ``input_range="unit"`` puts a fixed
+(parameter-free) map x -> (x + 1) / 2 in front of the network so it sees their inputs; ``"pm1"``
+(default) feeds [-1, 1] unchanged. The map has no parameters, so clipping and privacy are unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +38,20 @@ import torch.nn as nn
 from dpmech import _validate as v
 
 DP_MODELS = ("pixeldp_cnn", "tb_cnn", "tb_cnn_gn")
+INPUT_RANGES = ("pm1", "unit")
+
+
+class InputAffine(nn.Module):
+    """A fixed input map x -> scale * x + shift (buffers, no parameters): the change of input range
+    of :func:`build_dp_model` (``input_range="unit"``: scale 1/2, shift 1/2, [-1, 1] -> [0, 1])."""
+
+    def __init__(self, scale: float, shift: float):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(float(scale)))
+        self.register_buffer("shift", torch.tensor(float(shift)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.shift
 
 
 def _conv_block(cin: int, cout: int, k: int, stride: int, pad: int, groups: int | None) -> list[nn.Module]:
@@ -75,11 +95,18 @@ class TBCifarCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-def build_dp_model(name: str, dataset: str, seed: int = 0) -> nn.Module:
+def build_dp_model(name: str, dataset: str, seed: int = 0, input_range: str = "pm1") -> nn.Module:
     """The network ``name`` (one of :data:`DP_MODELS`) for ``dataset``, initialised from ``seed``
-    (PyTorch's default initialisation) without touching the global RNG."""
+    (PyTorch's default initialisation) without touching the global RNG; ``input_range="unit"`` puts
+    :class:`InputAffine` ([-1, 1] -> [0, 1], T&B's input range) in front of it."""
     v.choice("model", name, DP_MODELS)
     v.choice("dataset", dataset, ("mnist", "fashion_mnist", "cifar10"))
+    v.choice("input_range", input_range, INPUT_RANGES)
+    net = _build(name, dataset, seed)
+    return net if input_range == "pm1" else nn.Sequential(InputAffine(0.5, 0.5), net)
+
+
+def _build(name: str, dataset: str, seed: int) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name == "pixeldp_cnn":

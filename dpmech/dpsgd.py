@@ -497,14 +497,15 @@ class DPSGDTrainer:
         self.steps = int(state["steps"])
 
 
-def build_dpsgd_model(dataset: str, seed: int = 0, model: str = "pixeldp_cnn") -> nn.Module:
+def build_dpsgd_model(dataset: str, seed: int = 0, model: str = "pixeldp_cnn", input_range: str = "pm1") -> nn.Module:
     """The network ``model`` of :mod:`dpmech.dp_models` for ``dataset``: ``pixeldp_cnn`` (default:
     the PixelDP networks without their noise layer, so DP-SGD is compared on the same architecture;
     for CIFAR-10 the wide ResNet with BatchNorm replaced by GroupNorm, ``ModuleValidator.fix``),
-    ``tb_cnn`` (Tramer & Boneh 2021's tanh CNN) or ``tb_cnn_gn`` (with GroupNorm). Parameters
-    initialised from ``seed`` without touching the global RNG."""
+    ``tb_cnn`` (Tramer & Boneh 2021's tanh CNN) or ``tb_cnn_gn`` (with GroupNorm); ``input_range``
+    "unit" feeds it [0, 1] inputs (T&B's) through a fixed map. Parameters initialised from ``seed``
+    without touching the global RNG."""
     from dpmech.dp_models import build_dp_model
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return make_private_compatible(build_dp_model(model, dataset, seed))
+        return make_private_compatible(build_dp_model(model, dataset, seed, input_range))

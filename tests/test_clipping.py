@@ -82,9 +82,11 @@ def test_per_example_norm_of_each_layer_type_equals_torch_func(layer, prefer):
 
 
 @pytest.mark.parametrize("prefer", ["ghost", "inst", "mixed"])
-@pytest.mark.parametrize("name", ["tb_cnn", "tb_cnn_gn", "pixeldp_cnn"])
-def test_clipped_sum_equals_per_example_clip_and_sum(name, prefer):
-    model = build_dpsgd_model("mnist", 0, name)          # in-place activations made out of place
+@pytest.mark.parametrize("name,input_range", [("tb_cnn", "pm1"), ("tb_cnn_gn", "pm1"), ("pixeldp_cnn", "pm1"),
+                                              ("tb_cnn", "unit")])
+def test_clipped_sum_equals_per_example_clip_and_sum(name, input_range, prefer):
+    # input_range "unit": T&B's [0, 1] inputs through a parameter-free map in front of the network
+    model = build_dpsgd_model("mnist", 0, name, input_range)   # in-place activations made out of place
     g = torch.Generator().manual_seed(2)
     x = torch.rand(5, 1, 28, 28, generator=g) * 2 - 1
     y = torch.randint(0, 10, (5,), generator=g)
@@ -124,3 +126,15 @@ def test_unsupported_layers_are_refused_by_name():
     x, y = torch.zeros(2, 1, 28, 28), torch.tensor([0, 1])
     with pytest.raises(ValueError, match="^clipping: .*in place"):
         bk_norms_and_sum(model, x, y, 1.0, "mixed")
+
+
+def test_unit_input_range_is_the_same_network_on_rescaled_inputs():
+    """input_range="unit" (dpmech.dp_models.InputAffine): the same parameters, fed (x + 1) / 2; it adds
+    no parameter (nothing new to clip or account for)."""
+    plain, unit = build_dpsgd_model("mnist", 3, "tb_cnn"), build_dpsgd_model("mnist", 3, "tb_cnn", "unit")
+    assert sum(p.numel() for p in unit.parameters()) == sum(p.numel() for p in plain.parameters())
+    x = torch.rand(4, 1, 28, 28, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    assert torch.allclose(unit(x), plain((x + 1) / 2), atol=1e-6)
+    assert not torch.allclose(unit(x), plain(x), atol=1e-3)       # control: the map does change the input
+    with pytest.raises(ValueError, match="input_range"):
+        build_dpsgd_model("mnist", 0, "tb_cnn", "zero_one")

@@ -46,6 +46,10 @@ class DPSGDTrialConfig(CommonConfig):
         "pixeldp_cnn", description="network (dpmech.dp_models): pixeldp_cnn = the PixelDP network without its noise "
                                    "layer (the DPAL paper's baseline comparison); tb_cnn = Tramer & Boneh 2021's tanh "
                                    "CNN (the published DP-SGD recipes); tb_cnn_gn = tb_cnn with GroupNorm")
+    input_range: Literal["pm1", "unit"] = Field(
+        "pm1", description="input range the network sees: pm1 = the project's [-1, 1]; unit = [0, 1] through a fixed "
+                           "map (Tramer & Boneh's MNIST inputs, ToTensor without Normalize); no parameters, no privacy "
+                           "effect")
     optimizer: Literal["sgd", "adam"] = Field("sgd", description="optimizer applied to the noisy gradient")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="L2 weight decay")
@@ -118,7 +122,7 @@ def _mechanism_class():
 
         def __init__(self, cfg: DPSGDTrialConfig, x, y, device):
             self.sigma = float(cfg.noise_augmentation_sigma)
-            self.trainer = DPSGDTrainer(build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model), x, y, dpsgd_config(cfg),
+            self.trainer = DPSGDTrainer(build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model, cfg.input_range), x, y, dpsgd_config(cfg),
                                         device=device, plan_size=planned_train_size(cfg))
 
         def privacy(self) -> dict[str, float]:
