@@ -149,11 +149,68 @@ def aggregate(done: dict) -> dict:
     return agg
 
 
+# published TSTR accuracies (Hu et al., SoK, S&P 2024, Table 2) and issue 17's targets, for the docs' tables
+PUBLISHED = {("dpgan", "eps_10"): 0.747, ("dpgan", "eps_1"): 0.586, ("dpgan", "non_private"): 0.889,
+             ("dp_merf", "eps_10"): 0.832, ("dp_merf", "eps_1"): 0.839, ("dp_merf", "non_private"): 0.870}
+TARGETS = {("dpgan", "eps_10"): 0.75, ("dpgan", "eps_1"): 0.55, ("dp_merf", "eps_10"): 0.80, ("dp_merf", "eps_1"): 0.80}
+DOC_TABLES = {  # doc -> (method, caption) in order; written between the doc's results markers
+    "docs/dpgan.md": (("dpgan", "Recipe of the table above (`dpgan`)"),
+                      ("dpgan_v2", "`dpgan_v2`: 40 epochs, generator EMA 0.998 (epsilon 10 only)")),
+    "docs/dp_merf.md": (("dp_merf", "`dp_merf`: 5 x 40 generator steps (the benchmark's setting)"),
+                        ("dp_merf_paper", "`dp_merf_paper`: the paper's 5 x 120 generator steps")),
+}
+
+
+def results_table(result: dict, method: str) -> str:
+    """Published vs measured (markdown) for one method of the benchmark's JSON."""
+    base = "dp_merf" if method.startswith("dp_merf") else "dpgan"
+    lines = ["| setting | published (SoK) | target | measured tstr_acc | seeds | epsilon (RDP) | sample_quality "
+             "| train s (1 thread) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for ek in ("eps_10", "eps_1", "non_private"):
+        e = result.get(method, {}).get(ek)
+        pub, tgt = PUBLISHED.get((base, ek)), TARGETS.get((base, ek))
+        if e is None:
+            if method == base:
+                lines.append(f"| {ek} | {pub if pub is not None else '-'} | {tgt or '-'} | not run | - | - | - | - |")
+            continue
+        sd = f" ± {e['tstr_acc_std']:.3f}" if e.get("tstr_acc_std") is not None else ""
+        eps = "inf" if e["epsilon_rdp"] is None else f"{e['epsilon_rdp']:.3f}"
+        lines.append(f"| {ek} | {pub if pub is not None else '-'} | {tgt or '-'} | {e['tstr_acc']:.3f}{sd} | "
+                     f"{', '.join(map(str, e['seeds']))} | {eps} | {e['sample_quality']:.3f} | {e['train_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def update_docs(result: dict, root: Path = Path(__file__).resolve().parent.parent) -> list[Path]:
+    """Rewrite the results block of docs/dpgan.md and docs/dp_merf.md from ``result``."""
+    import re
+
+    new_texts = {}                           # every doc checked before any is written
+    for doc, methods in DOC_TABLES.items():
+        path = root / doc
+        parts = [f"{caption}:\n\n{results_table(result, m)}" for m, caption in methods if m in result]
+        block = (f"<!-- results:begin (generated from benchmarks/results/{NAME}.json by "
+                 f"`python benchmarks/{NAME}.py --docs`) -->\n" + "\n\n".join(parts) + "\n<!-- results:end -->")
+        new, n = re.subn(r"<!-- results:begin.*?<!-- results:end -->", lambda _: block, path.read_text(), flags=re.S)
+        if n != 1:
+            raise ValueError(f"{doc}: expected one results block (<!-- results:begin ... results:end -->), found {n}")
+        new_texts[path] = new
+    for path, text in new_texts.items():
+        path.write_text(text)
+    return list(new_texts)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default=None, help="comma-separated unit keys, e.g. dp_merf.eps_1.seed_0")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--docs", action="store_true", help="only rewrite the docs' results tables from the JSON")
     args = ap.parse_args(argv)
+    if args.docs:
+        import json
+
+        for p in update_docs(json.loads((args.out or RESULTS / f"{NAME}.json").read_text())):
+            log(f"wrote {p}")
+        return {}
     logging.getLogger("absl").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     device = torch.device("cpu")
