@@ -43,3 +43,26 @@ def write_result(name: str, payload: dict, out: Path | None = None) -> Path:
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     tmp.replace(path)
     return path
+
+
+def update_doc_blocks(blocks: dict[Path, dict[str, str]]) -> list[Path]:
+    """Replace generated blocks in docs: for each doc, each ``name`` -> text goes between the doc's
+    ``<!-- name:begin ... -->`` and ``<!-- name:end -->`` lines (the begin marker is rewritten to say
+    what generated it). Every doc is checked (each block present exactly once) before any is written,
+    so a bad doc leaves all of them as they were."""
+    import re
+
+    new_texts = {}
+    for path, named in blocks.items():
+        text = path.read_text()
+        for name, body in named.items():
+            pattern = rf"<!-- {re.escape(name)}:begin.*?<!-- {re.escape(name)}:end -->"
+            block = f"<!-- {name}:begin (generated; do not edit by hand) -->\n{body.strip()}\n<!-- {name}:end -->"
+            text, n = re.subn(pattern, lambda _: block, text, flags=re.S)
+            if n != 1:
+                raise ValueError(f"{path.name}: expected one '{name}' block (<!-- {name}:begin ... {name}:end -->), "
+                                 f"found {n}")
+        new_texts[path] = text
+    for path, text in new_texts.items():
+        path.write_text(text)
+    return list(new_texts)

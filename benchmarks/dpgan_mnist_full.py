@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, environment, log, write_result  # noqa: E402
+from benchmarks.common import RESULTS, environment, log, update_doc_blocks, write_result  # noqa: E402
 from dpmech.data import load_splits  # noqa: E402
 from dpmech.dp_merf import DPMERFConfig, DPMERFTrainer  # noqa: E402
 from dpmech.dpgan import DPGANConfig, DPGANTrainer  # noqa: E402
@@ -181,22 +181,12 @@ def results_table(result: dict, method: str) -> str:
 
 
 def update_docs(result: dict, root: Path = Path(__file__).resolve().parent.parent) -> list[Path]:
-    """Rewrite the results block of docs/dpgan.md and docs/dp_merf.md from ``result``."""
-    import re
-
-    new_texts = {}                           # every doc checked before any is written
-    for doc, methods in DOC_TABLES.items():
-        path = root / doc
-        parts = [f"{caption}:\n\n{results_table(result, m)}" for m, caption in methods if m in result]
-        block = (f"<!-- results:begin (generated from benchmarks/results/{NAME}.json by "
-                 f"`python benchmarks/{NAME}.py --docs`) -->\n" + "\n\n".join(parts) + "\n<!-- results:end -->")
-        new, n = re.subn(r"<!-- results:begin.*?<!-- results:end -->", lambda _: block, path.read_text(), flags=re.S)
-        if n != 1:
-            raise ValueError(f"{doc}: expected one results block (<!-- results:begin ... results:end -->), found {n}")
-        new_texts[path] = new
-    for path, text in new_texts.items():
-        path.write_text(text)
-    return list(new_texts)
+    """Rewrite the ``results`` block of docs/dpgan.md and docs/dp_merf.md from ``result``."""
+    src = f"From benchmarks/results/{NAME}.json by `python benchmarks/{NAME}.py --docs`.\n\n"
+    return update_doc_blocks({
+        root / doc: {"results": src + "\n\n".join(f"{caption}:\n\n{results_table(result, m)}"
+                                                  for m, caption in methods if m in result)}
+        for doc, methods in DOC_TABLES.items()})
 
 
 def main(argv=None) -> dict:

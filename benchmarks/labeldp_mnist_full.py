@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, environment, log, write_result  # noqa: E402
+from benchmarks.common import RESULTS, environment, log, update_doc_blocks, write_result  # noqa: E402
 from dpmech.data import load_splits  # noqa: E402
 from dpmech.label_dp_recipe import RecipeConfig, accuracy, mse, predict, train_label_dp  # noqa: E402
 
@@ -106,6 +106,66 @@ def summarise(runs: dict) -> tuple[dict, dict]:
     return cls, reg
 
 
+NAMES = {"lp2st": "LP-2ST", "lp1st": "LP-1ST", "laplace": "Laplace", "rr": "RR", "alibi": "ALIBI"}
+
+
+def _cell(s: dict | None, scale: float = 100.0, digits: int = 2, key: str = "mean", std_key: str = "std") -> str:
+    if s is None:
+        return "not run"
+    n = len(s.get("seeds") or s.get("mse_seeds") or [])
+    sd = f" ± {s[std_key] * scale:.{digits}f}" if s.get(std_key) is not None else ""
+    return f"{s[key] * scale:.{digits}f}{sd} (n = {n})"
+
+
+def doc_tables(result: dict) -> dict[str, str]:
+    """The generated blocks of docs/label_dp.md: ``labeldp-targets`` (published vs measured against the
+    issue's targets), ``labeldp-grid`` (every method and epsilon, and the regression MSE), and
+    ``labeldp-lp2st`` (LP-2ST's per-run diagnostics)."""
+    cls, reg = result.get("classification", {}), result.get("regression", {})
+    src = "From benchmarks/results/labeldp_mnist_full.json by `python benchmarks/labeldp_mnist_full.py --docs`.\n\n"
+    rows = ["| method | ε | published (Ghazi et al., Table 4) | target (mean of 3 seeds) | measured, % (mean ± sd) "
+            "| target met |", "| --- | --- | --- | --- | --- | --- |"]
+    for m in ("lp2st", "lp1st"):
+        for e in (1.0, 2.0, 3.0, 4.0):
+            s, tgt = cls.get(m, {}).get(ekey(e)), TARGETS[m].get(e)
+            met = "–" if tgt is None or s is None else (
+                ("yes" if s["mean"] >= tgt else f"no ({(s['mean'] - tgt) * 100:+.2f} points)")
+                + ("" if len(s["seeds"]) >= 3 else f", {len(s['seeds'])} of 3 seeds"))
+            rows.append(f"| {NAMES[m]} | {e:g} | {PUBLISHED[m][e] * 100:.2f}% | "
+                        f"{'–' if tgt is None else f'≥ {tgt * 100:.1f}%'} | {_cell(s)} | {met} |")
+    np_ = cls.get("non_private")
+    rows.append(f"| non-private | ∞ | 98.82% (the seed) | ≥ {TARGETS['non_private_acc'] * 100:.1f}% | {_cell(np_)} | "
+                f"{'–' if np_ is None else ('yes' if np_['mean'] >= TARGETS['non_private_acc'] else 'no')} |")
+    rnp = reg.get("non_private")
+    rows.append(f"| regression, non-private | ∞ | MSE 0.2431 (the seed) | MSE ≤ {TARGETS['non_private_mse']} | "
+                f"{'not run' if rnp is None else 'MSE ' + _cell(rnp, 1.0, 4, 'mse', 'mse_std')} | "
+                f"{'–' if rnp is None else ('yes' if rnp['mse'] <= TARGETS['non_private_mse'] else 'no')} |")
+    grid = ["| method | " + " | ".join(f"ε {e:g}" for e in CLS_EPS) + " |", "| --- |" + " --- |" * len(CLS_EPS)]
+    for m in METHODS + ("alibi",):
+        if m == "alibi" and m not in cls:
+            continue
+        grid.append(f"| {NAMES[m]} | " + " | ".join(_cell(cls.get(m, {}).get(ekey(e))) for e in CLS_EPS) + " |")
+    grid.append(f"| non-private | {_cell(np_)} (every ε) |" + " |" * (len(CLS_EPS) - 1))
+    regt = ["| ε | " + " | ".join(f"{e:.3g}" for e in REG_EPS) + " | non-private |",
+            "| --- |" + " --- |" * (len(REG_EPS) + 1)]
+    regt.append("| Laplace, test MSE | " + " | ".join(
+        _cell(reg.get("laplace", {}).get(ekey(e)), 1.0, 3, "mse", "mse_std") for e in REG_EPS)
+        + f" | {_cell(rnp, 1.0, 3, 'mse', 'mse_std')} |")
+    diag = ["| ε | seed | test acc | stage-1 acc on part 2 | stage-2 keep rate | mean k* | overall keep rate |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    lp2 = sorted((r for r in result.get("runs", {}).values() if r["method"] == "lp2st"),
+                 key=lambda r: (r["epsilon"], r["seed"]))
+    for r in lp2:
+        diag.append(f"| {r['epsilon']:g} | {r['seed']} | {r['acc'] * 100:.2f}% | {r['stage1_acc_part2'] * 100:.2f}% | "
+                    f"{r['stage2_keep_rate']:.3f} | {r['mean_k']:.2f} | {r['label_keep_rate']:.3f} |")
+    done = f"{result.get('units_done', 0)} of {result.get('units_total', 0)} units"
+    return {"labeldp-targets": src + "\n".join(rows),
+            "labeldp-grid": src + f"Classification accuracy, % (mean ± sd over the seeds run; {done} done):\n\n"
+                            + "\n".join(grid) + "\n\nRegression (the digit's value, Laplace with sensitivity 9; test "
+                            "MSE, mean ± sd):\n\n" + "\n".join(regt),
+            "labeldp-lp2st": src + "\n".join(diag)}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=6, help="epochs of a one-stage training and of LP-2ST's stage 2")
@@ -116,7 +176,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-units", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS / "labeldp_mnist_full.json")
+    ap.add_argument("--docs", action="store_true", help="only rewrite docs/label_dp.md's generated tables from --out")
     args = ap.parse_args(argv)
+    if args.docs:
+        doc = Path(__file__).resolve().parent.parent / "docs" / "label_dp.md"
+        update_doc_blocks({doc: doc_tables(json.loads(args.out.read_text()))})
+        log(f"wrote {doc}")
+        return {}
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     settings = {"epochs": args.epochs, "stage1_epochs": args.stage1_epochs, "lr": args.lr,

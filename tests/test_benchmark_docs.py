@@ -28,7 +28,7 @@ def test_update_docs_rewrites_only_the_results_block(tmp_path):
     bench.update_docs({"dpgan": {"eps_10": ROW}, "dp_merf_paper": {"eps_1": ROW}}, root=tmp_path)
     text = (tmp_path / "docs/dpgan.md").read_text()
     assert text.startswith("# title") and text.rstrip().endswith("tail") and "old" not in text
-    assert "0.700 ± 0.010" in text and "--docs" in text
+    assert "0.700 ± 0.010" in text and "--docs" in text and "generated" in text
     assert "`dp_merf_paper`" in (tmp_path / "docs/dp_merf.md").read_text()
 
 
@@ -37,6 +37,21 @@ def test_update_docs_refuses_a_doc_without_exactly_one_block_and_writes_nothing(
     merf = tmp_path / "docs/dp_merf.md"
     merf.write_text(merf.read_text() * 2)                 # the second doc is broken: two blocks
     before = (tmp_path / "docs/dpgan.md").read_text()
-    with pytest.raises(ValueError, match="dp_merf.md: expected one results block"):
+    with pytest.raises(ValueError, match="dp_merf.md: expected one 'results' block"):
         bench.update_docs({"dpgan": {"eps_10": ROW}}, root=tmp_path)
     assert (tmp_path / "docs/dpgan.md").read_text() == before      # the first doc left as it was
+
+
+def test_label_dp_tables_say_met_missed_and_not_run():
+    from benchmarks import labeldp_mnist_full as ldp
+
+    s = lambda v: {"mean": v, "std": 0.001, "n": 3, "seeds": [v] * 3}     # noqa: E731
+    result = {"classification": {"lp2st": {"eps_1": s(0.96), "eps_2": s(0.98)}, "non_private": s(0.99)},
+              "regression": {"non_private": {"mse": 0.30, "mse_std": 0.01, "mse_seeds": [0.3] * 3}},
+              "runs": {}, "units_done": 5, "units_total": 123}
+    t = ldp.doc_tables(result)
+    assert "| LP-2ST | 1 | 95.82% | ≥ 95.5% | 96.00 ± 0.10 (n = 3) | yes |" in t["labeldp-targets"]
+    assert "| LP-2ST | 2 | 98.78% | ≥ 98.5% | 98.00 ± 0.10 (n = 3) | no (-0.50 points) |" in t["labeldp-targets"]
+    assert "| LP-2ST | 4 | 99.24% | ≥ 99.0% | not run | – |" in t["labeldp-targets"]
+    assert "MSE 0.3000 ± 0.0100 (n = 3) | no |" in t["labeldp-targets"]
+    assert "| Laplace | not run |" in t["labeldp-grid"] and "5 of 123 units" in t["labeldp-grid"]
