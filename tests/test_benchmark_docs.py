@@ -55,3 +55,19 @@ def test_label_dp_tables_say_met_missed_and_not_run():
     assert "| LP-2ST | 4 | 99.24% | ≥ 99.0% | not run | – |" in t["labeldp-targets"]
     assert "MSE 0.3000 ± 0.0100 (n = 3) | no |" in t["labeldp-targets"]
     assert "| Laplace | not run |" in t["labeldp-grid"] and "5 of 123 units" in t["labeldp-grid"]
+
+
+def test_dpgan_merge_adds_units_from_another_file_without_replacing(tmp_path):
+    import json
+
+    unit = {"method": "dpgan", "epsilon_target": 10.0, "seed": 0, "tstr_acc": 0.7, "sample_quality": 0.7,
+            "epsilon_rdp": 9.99, "train_seconds": 1.0}
+    main, other = tmp_path / "main.json", tmp_path / "other.json"
+    main.write_text(json.dumps({"units": {"dpgan.eps_10.seed_0": unit}}))
+    other.write_text(json.dumps({"units": {"dpgan.eps_10.seed_0": dict(unit, tstr_acc=0.1),
+                                           "dpgan.eps_10.seed_1": dict(unit, seed=1, tstr_acc=0.8)}}))
+    bench.main(["--out", str(main), "--merge", str(other)])
+    got = json.loads(main.read_text())
+    assert got["units"]["dpgan.eps_10.seed_0"]["tstr_acc"] == 0.7           # the existing unit is kept
+    assert got["dpgan"]["eps_10"]["seeds"] == [0, 1]
+    assert abs(got["dpgan"]["eps_10"]["tstr_acc"] - 0.75) < 1e-9

@@ -96,7 +96,7 @@ def test_critic_weights_within_clip_after_every_step():
     assert any(p.abs().max().item() == pytest.approx(c_p) for p in tr.critic.parameters())
 
 
-@pytest.mark.parametrize("extra", [{}, {"mode_seeking": 1.0, "ema": 0.9}])
+@pytest.mark.parametrize("extra", [{}, {"mode_seeking": 1.0, "ema": 0.9}, {"generator": "dcgan", "ema": 0.9}])
 def test_generator_step_reads_no_real_data(extra):
     tr = _trainer(**extra)
     for _ in range(2):
@@ -331,3 +331,26 @@ def test_mode_seeking_term_changes_the_generator_update_only():
     assert any(not torch.allclose(pa, pb) for pa, pb in zip(a.generator.parameters(), b.generator.parameters()))
     with pytest.raises(ValueError, match="mode_seeking"):
         DPGANConfig(mode_seeking=-1.0)
+
+
+def test_dcgan_generator_shape_range_and_per_sample_normalisation():
+    """generator "dcgan": images of the data's shape in [-1, 1]; GroupNorm normalises each sample on its
+    own, so a sample does not depend on the others drawn with it (a BatchNorm generator's would: the
+    negative control)."""
+    from dpmech.dpgan.models import ConvGenerator
+
+    torch.manual_seed(0)
+    g = ConvGenerator(16, (1, 28, 28), 10, 64)
+    z, y = torch.randn(6, 16), torch.arange(6) % 10
+    x = g(z, y)
+    assert x.shape == (6, 1, 28, 28) and x.abs().max() <= 1
+    assert torch.allclose(g(z[:1], y[:1]), x[:1], atol=1e-6)            # alone = in company
+    bn = torch.nn.Sequential(torch.nn.BatchNorm2d(32))                    # control: batch statistics
+    with torch.no_grad():
+        h = torch.randn(6, 32, 7, 7)
+        assert not torch.allclose(bn(h[:2])[:1], bn(h)[:1], atol=1e-3)
+    with pytest.raises(ValueError, match="generator"):
+        DPGANConfig(generator="resnet")
+    tr = _trainer(generator="dcgan")
+    assert isinstance(tr.generator, ConvGenerator)
+    assert tr.sample(torch.arange(4), seed=0).shape == (4, 1, 28, 28)

@@ -19,7 +19,8 @@ from trainables.config import CommonConfig
 from trainables.runtime import TrainerMechanism, run_trial
 
 _TRAINER_KEYS = ("dataset", "epsilon", "delta", "epochs", "batch_size", "n_critic", "clip_grad", "clip_weight",
-                 "clip_fake", "mode_seeking", "ema", "lr_critic", "lr_generator", "optimizer", "latent_dim", "hidden", "architecture", "seed")
+                 "clip_fake", "mode_seeking", "ema", "lr_critic", "lr_generator", "optimizer", "latent_dim", "hidden", "architecture",
+                 "generator", "seed")
 
 
 class DPGANTrialConfig(CommonConfig):
@@ -45,6 +46,7 @@ class DPGANTrialConfig(CommonConfig):
     latent_dim: int = Field(64, gt=0, description="dimension of the generator's latent z")
     hidden: int = Field(256, gt=0, description="width h of the MLPs (critic 2h-h, generator h-2h)")
     architecture: Literal["mlp", "conv"] = Field("mlp", description="critic feature map: mlp (fast per-example gradients on CPUs) or conv (the reference's DCGAN critic, narrowed, no normalisation)")
+    generator: Literal["mlp", "dcgan"] = Field("mlp", description="generator: mlp (h-2h) or dcgan (the reference's DCGAN shape, narrowed to h/4 and h/8 channels, GroupNorm; no privacy effect)")
     tstr_samples: int = Field(10000, gt=0, description="synthetic labelled images the tstr_acc classifier is trained on")
     tstr_epochs: int = Field(3, gt=0, description="epochs of the tstr_acc classifier")
     judge_size: int = Field(10000, gt=0, description="real non-training images the sample-quality classifier is trained on")

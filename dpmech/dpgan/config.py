@@ -42,6 +42,7 @@ class DPGANConfig:
     latent_dim: int = 64
     hidden: int = 256
     architecture: str = "mlp"     # critic feature map: "mlp" (fast per-example gradients on CPUs) or "conv"
+    generator: str = "mlp"        # generator: "mlp" or "dcgan" (the reference's DCGAN shape, narrowed; no privacy effect)
     seed: int = 0
 
     def __post_init__(self):
@@ -67,6 +68,7 @@ class DPGANConfig:
         v.positive_int("latent_dim", self.latent_dim)
         v.positive_int("hidden", self.hidden)
         v.choice("architecture", self.architecture, ("mlp", "conv"))
+        v.choice("generator", self.generator, ("mlp", "dcgan"))
         v.positive_int("seed", self.seed, minimum=0)
 
     @property

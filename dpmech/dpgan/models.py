@@ -3,8 +3,9 @@
 The critic f_w(x, y) reads an image and its label (one-hot) and returns one unbounded score (the
 Wasserstein critic). It has no batch normalisation (or any layer that mixes examples), so the
 gradient of a batch's summed score is the sum of per-example gradients and each can be clipped
-on its own. The generator G(z, y) maps a latent vector and a label to an image in [-1, 1] (tanh).
-Both are MLPs: per-example gradients of an MLP are cheap on a CPU (the reference code has an MLP
+on its own. The generator G(z, y) maps a latent vector and a label to an image in [-1, 1] (tanh):
+an MLP (default) or a narrowed DCGAN-shaped generator (``generator="dcgan"``, the reference code's
+shape). Per-example gradients of an MLP critic are cheap on a CPU (the reference code has an MLP
 variant beside its DCGAN one); the architecture is not part of the privacy argument.
 """
 
@@ -76,11 +77,45 @@ class Generator(nn.Module):
         return self.net(h).view(-1, *self.input_shape)
 
 
+class ConvGenerator(nn.Module):
+    """G(z, y) shaped like the reference code's DCGAN generator (illidanlab/dpgan ``mnist/dcgan.py``:
+    fully connected to a 7 x 7 map, two 4x4 stride-2 transposed convolutions to 28 x 28; 128 and 64
+    channels there), narrowed to ``hidden // 4`` and ``hidden // 8`` channels for CPUs, with GroupNorm
+    where the reference has batch norm: a sample is normalised on its own, so it does not depend on
+    the other samples drawn with it (and the weight EMA has no running statistics to track). tanh output in [-1, 1]. Reads z
+    and y only: the generator never sees data, so its layers are not part of the privacy argument."""
+
+    def __init__(self, latent_dim: int, input_shape: tuple[int, ...], classes: int, hidden: int):
+        super().__init__()
+        self.latent_dim = latent_dim
+        self.input_shape = tuple(input_shape)
+        self.classes = classes
+        c, h, w = self.input_shape
+        if h % 4 or w % 4:
+            raise ValueError(f"generator 'dcgan' needs image sides divisible by 4, got {h} x {w}")
+        c1, c2 = max(hidden // 4, 8), max(hidden // 8, 8)
+        self.start = (c1, h // 4, w // 4)
+        self.fc = nn.Sequential(nn.Linear(latent_dim + classes, c1 * (h // 4) * (w // 4)))
+        self.net = nn.Sequential(
+            nn.GroupNorm(8, c1), nn.ReLU(),
+            nn.ConvTranspose2d(c1, c2, 4, 2, 1), nn.GroupNorm(8, c2), nn.ReLU(),
+            nn.ConvTranspose2d(c2, c, 4, 2, 1), nn.Tanh())
+
+    def forward(self, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.fc(torch.cat([z, _onehot(y, self.classes)], dim=1))
+        return self.net(h.view(-1, *self.start))
+
+
+GENERATORS = {"mlp": Generator, "dcgan": ConvGenerator}
+
+
 class DPGANModel(nn.Module):
     """The released pair: the generator and the (noisily trained, weight-clipped) critic."""
 
     def __init__(self, input_shape: tuple[int, ...], classes: int, latent_dim: int, hidden: int,
-                 architecture: str = "mlp"):
+                 architecture: str = "mlp", generator: str = "mlp"):
         super().__init__()
-        self.generator = Generator(latent_dim, input_shape, classes, hidden)
+        if generator not in GENERATORS:
+            raise ValueError(f"generator must be one of {sorted(GENERATORS)}, got {generator!r}")
+        self.generator = GENERATORS[generator](latent_dim, input_shape, classes, hidden)
         self.critic = Critic(input_shape, classes, hidden, architecture)

@@ -72,7 +72,7 @@ class DPGANTrainer(JudgedSampler):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             self.model = DPGANModel(self.input_shape, self.classes, config.latent_dim, config.hidden,
-                                    config.architecture).to(self.device)
+                                    config.architecture, config.generator).to(self.device)
         self.generator, self.critic = self.model.generator, self.model.critic
         self.generator_ema = copy.deepcopy(self.generator).requires_grad_(False) if config.ema > 0 else None
         if self.generator_ema is not None:  # part of the released model (weights artifact, checkpoints)
