@@ -166,6 +166,21 @@ def doc_tables(result: dict) -> dict[str, str]:
             "labeldp-lp2st": src + "\n".join(diag)}
 
 
+def schedule_table(short: dict, long: dict) -> str:
+    """The same units at two schedules (``settings`` of each JSON), side by side: does training longer
+    close the gap to the published figures? Rows: every unit of the longer run."""
+    def label(st):
+        return f"{st['stage1_epochs']} + {st['epochs']} epochs (LP-2ST), {st['epochs']} (one stage)"
+    lines = [f"| unit | {label(short['settings'])} | {label(long['settings'])} | published |", "| --- | --- | --- | --- |"]
+    for uid, r in long.get("runs", {}).items():
+        s_ = short.get("runs", {}).get(uid)
+        pub = PUBLISHED.get(r["method"], {}).get(r["epsilon"])
+        val = (lambda x: "not run" if x is None else (f"MSE {x['mse']:.4f}" if x["mse"] is not None
+                                                      else f"{x['acc'] * 100:.2f}%"))
+        lines.append(f"| {uid} | {val(s_)} | {val(r)} | {'–' if pub is None else f'{pub * 100:.2f}%'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=6, help="epochs of a one-stage training and of LP-2ST's stage 2")
@@ -180,7 +195,13 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.docs:
         doc = Path(__file__).resolve().parent.parent / "docs" / "label_dp.md"
-        update_doc_blocks({doc: doc_tables(json.loads(args.out.read_text()))})
+        result = json.loads(args.out.read_text())
+        blocks = doc_tables(result)
+        long = args.out.with_name(args.out.stem + "_long.json")
+        if long.exists():
+            blocks["labeldp-schedule"] = (f"From {args.out.name} and {long.name} by `--docs`.\n\n"
+                                          + schedule_table(result, json.loads(long.read_text())))
+        update_doc_blocks({doc: blocks})
         log(f"wrote {doc}")
         return {}
     torch.set_num_threads(args.threads)
