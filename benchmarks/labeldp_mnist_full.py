@@ -192,7 +192,24 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS / "labeldp_mnist_full.json")
     ap.add_argument("--docs", action="store_true", help="only rewrite docs/label_dp.md's generated tables from --out")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="only the units of these seeds")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None,
+                    help="only add the runs of these JSON files (same settings, written with --out) to --out")
     args = ap.parse_args(argv)
+    if args.merge:
+        state = json.loads(args.out.read_text())
+        runs = dict(state["runs"])
+        for other in args.merge:
+            o = json.loads(other.read_text())
+            if o.get("settings") != state.get("settings"):
+                raise SystemExit(f"{other}: settings differ from {args.out}'s; not merged")
+            new = {k: v for k, v in o.get("runs", {}).items() if k not in runs}
+            runs.update(new)
+            log(f"{other}: {len(new)} new runs")
+        cls, reg = summarise(runs)
+        write_result("labeldp_mnist_full", {**state, "classification": cls, "regression": reg, "runs": runs,
+                                            "units_done": len(runs)}, args.out)
+        return {}
     if args.docs:
         doc = Path(__file__).resolve().parent.parent / "docs" / "label_dp.md"
         result = json.loads(args.out.read_text())
@@ -224,7 +241,7 @@ def main(argv=None) -> dict:
     xt, yt = test.tensors
     log(f"label DP full MNIST: {x.shape[0]} train / {xt.shape[0]} test, settings {settings}, "
         f"{torch.get_num_threads()} thread(s)")
-    todo = [u for u in units() if unit_id(*u) not in runs]
+    todo = [u for u in units() if unit_id(*u) not in runs and (args.seeds is None or u[3] in args.seeds)]
     if args.max_units is not None:
         todo = todo[:args.max_units]
     log(f"{len(todo)} units to run of {len(units())}")

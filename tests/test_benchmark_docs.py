@@ -71,3 +71,22 @@ def test_dpgan_merge_adds_units_from_another_file_without_replacing(tmp_path):
     assert got["units"]["dpgan.eps_10.seed_0"]["tstr_acc"] == 0.7           # the existing unit is kept
     assert got["dpgan"]["eps_10"]["seeds"] == [0, 1]
     assert abs(got["dpgan"]["eps_10"]["tstr_acc"] - 0.75) < 1e-9
+
+
+def test_label_dp_merge_unions_runs_of_the_same_settings_only(tmp_path):
+    import json
+
+    from benchmarks import labeldp_mnist_full as ldp
+
+    run = {"task": "classification", "method": "lp2st", "epsilon": 1.0, "seed": 0, "acc": 0.95, "mse": None}
+    main, same, other = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    main.write_text(json.dumps({"settings": {"epochs": 6}, "runs": {"classification/lp2st/eps_1/seed0": run}}))
+    same.write_text(json.dumps({"settings": {"epochs": 6}, "runs": {
+        "classification/lp2st/eps_1/seed0": dict(run, acc=0.1),
+        "classification/lp2st/eps_1/seed1": dict(run, seed=1, acc=0.97)}}))
+    other.write_text(json.dumps({"settings": {"epochs": 12}, "runs": {}}))
+    ldp.main(["--out", str(main), "--merge", str(same)])
+    got = json.loads(main.read_text())
+    assert got["classification"]["lp2st"]["eps_1"]["seeds"] == [0.95, 0.97]      # the existing run kept
+    with pytest.raises(SystemExit, match="settings differ"):
+        ldp.main(["--out", str(main), "--merge", str(other)])
