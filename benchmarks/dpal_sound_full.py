@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, environment, log, write_result  # noqa: E402
+from benchmarks.common import RESULTS, environment, log, update_doc_blocks, write_result  # noqa: E402
 
 NAME = "dpal_mnist_full_sound"
 RUNS = RESULTS / "dpal_sound_full_runs"
@@ -193,6 +193,39 @@ def measure_cost(steps: int, recipe: dict) -> dict:
     return out
 
 
+DOC_METRICS = ("acc_clean_smoothed", "abstain_rate_smoothed", "acc_pgd_0.1", "acc_pgd_0.2", "cert_l2_acc_0.25",
+               "cert_l2_acc_0.5", "cert_l2_acc_0.75", "cert_l2_acc_1", "cert_linf_acc_0.01", "cert_linf_acc_0.02",
+               "cert_linf_acc_0.03", "cert_linf_acc_0.05", "epsilon_rdp")
+
+
+def results_table(summary: dict) -> str:
+    """docs/dpal_sound.md's results table: one column per row of :data:`RECIPES` that ran, mean ± sample
+    std [per seed] of every metric, the epsilon-2 targets beside them."""
+    rows = [r for r in RECIPES if r in summary]
+    head = " | ".join(f"{r} ({summary[r]['recipe']['epochs']} epochs; {summary[r]['n_seeds']} seed"
+                      f"{'s' if summary[r]['n_seeds'] > 1 else ''} {summary[r]['seeds']}): mean ± std [per seed]"
+                      for r in rows)
+    lines = [f"| metric | target (eps 2) | {head} |", "| --- | --- |" + " --- |" * len(rows)]
+    for k in DOC_METRICS:
+        cells = []
+        for r in rows:
+            e = summary[r]
+            if k not in e:
+                cells.append("–")
+                continue
+            sd = "" if e.get(f"{k}_std") is None else f" ± {e[f'{k}_std']:.4f}"
+            cells.append(f"{e[k]:.4f}{sd} [{', '.join(f'{v:.4f}' for v in e[f'{k}_per_seed'])}]")
+        tgt = TARGETS["eps_2"].get(k)
+        lines.append(f"| `{k}` | {'' if tgt is None else f'>= {tgt}'} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for r in rows:
+        e = summary[r]
+        lines.append(f"{r}: epsilon_pld {e['epsilon_pld']:.4f}, sigma {e['noise_multiplier']:.4f}, steps "
+                     f"{e['steps']:.0f}, train seconds {[round(t) for t in e['train_seconds']]}")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="+", default=["eps_2", "eps_1"], choices=list(RECIPES))
@@ -202,7 +235,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--cost-only", action="store_true")
     ap.add_argument("--cost-steps", type=int, default=20)
     ap.add_argument("--ckpt-dir", default="/tmp/dpal_sound_ckpt")
+    ap.add_argument("--docs", action="store_true", help="only rewrite docs/dpal_sound.md's results table from the runs")
     args = ap.parse_args(argv)
+    if args.docs:
+        doc = Path(__file__).resolve().parent.parent / "docs" / "dpal_sound.md"
+        update_doc_blocks({doc: {"dpal-sound-results": f"From the runs in benchmarks/results/{RUNS.name}/ by "
+                                 f"`python benchmarks/dpal_sound_full.py --docs`.\n\n" + results_table(summarize())}})
+        log(f"wrote {doc}")
+        return {}
     if args.threads:
         torch.set_num_threads(args.threads)
     RUNS.mkdir(parents=True, exist_ok=True)
