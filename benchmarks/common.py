@@ -66,3 +66,20 @@ def update_doc_blocks(blocks: dict[Path, dict[str, str]]) -> list[Path]:
     for path, text in new_texts.items():
         path.write_text(text)
     return list(new_texts)
+
+
+def merge_new(existing: dict, others: list[Path], key: str, same: str | None = None,
+              base: dict | None = None) -> dict:
+    """``existing`` plus the entries of each JSON file's ``key`` mapping that ``existing`` lacks (an
+    entry already there is kept); with ``same``, a file whose ``same`` field differs from ``base``'s
+    is refused (exit with a one-line reason) before anything is merged. Logs the count per file."""
+    loaded = [(p, json.loads(p.read_text())) for p in others]
+    for p, o in loaded:
+        if same is not None and o.get(same) != (base or {}).get(same):
+            raise SystemExit(f"{p}: {same} differ from the results'; not merged")
+    merged = dict(existing)
+    for p, o in loaded:
+        new = {k: v for k, v in o.get(key, {}).items() if k not in merged}
+        merged.update(new)
+        log(f"{p}: {len(new)} new {key}")
+    return merged

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, environment, log, update_doc_blocks, write_result  # noqa: E402
+from benchmarks.common import RESULTS, environment, log, merge_new, update_doc_blocks, write_result  # noqa: E402
 from dpmech.data import load_splits  # noqa: E402
 from dpmech.dp_merf import DPMERFConfig, DPMERFTrainer  # noqa: E402
 from dpmech.dpgan import DPGANConfig, DPGANTrainer  # noqa: E402
@@ -224,11 +224,7 @@ def main(argv=None) -> dict:
     if args.merge:
         path = args.out or RESULTS / f"{NAME}.json"
         state = json.loads(path.read_text()) if path.exists() else {}
-        done = dict(state.get("units", {}))
-        for other in args.merge:
-            new = {k: v for k, v in json.loads(other.read_text()).get("units", {}).items() if k not in done}
-            done.update(new)
-            log(f"{other}: {len(new)} new units")
+        done = merge_new(state.get("units", {}), args.merge, "units")
         write_result(NAME, payload(done, state, torch.device("cpu")), path)
         return {}
     if args.docs:

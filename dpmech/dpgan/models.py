@@ -82,8 +82,9 @@ class ConvGenerator(nn.Module):
     fully connected to a 7 x 7 map, two 4x4 stride-2 transposed convolutions to 28 x 28; 128 and 64
     channels there), narrowed to ``hidden // 4`` and ``hidden // 8`` channels for CPUs, with GroupNorm
     where the reference has batch norm: a sample is normalised on its own, so it does not depend on
-    the other samples drawn with it (and the weight EMA has no running statistics to track). tanh output in [-1, 1]. Reads z
-    and y only: the generator never sees data, so its layers are not part of the privacy argument."""
+    the other samples drawn with it (and the weight EMA has no running statistics to track). tanh
+    output in [-1, 1]. Reads z and y only: the generator never sees data, so its layers are not part
+    of the privacy argument."""
 
     def __init__(self, latent_dim: int, input_shape: tuple[int, ...], classes: int, hidden: int):
         super().__init__()
@@ -95,7 +96,7 @@ class ConvGenerator(nn.Module):
             raise ValueError(f"generator 'dcgan' needs image sides divisible by 4, got {h} x {w}")
         c1, c2 = max(hidden // 4, 8), max(hidden // 8, 8)
         self.start = (c1, h // 4, w // 4)
-        self.fc = nn.Sequential(nn.Linear(latent_dim + classes, c1 * (h // 4) * (w // 4)))
+        self.fc = nn.Linear(latent_dim + classes, c1 * (h // 4) * (w // 4))
         self.net = nn.Sequential(
             nn.GroupNorm(8, c1), nn.ReLU(),
             nn.ConvTranspose2d(c1, c2, 4, 2, 1), nn.GroupNorm(8, c2), nn.ReLU(),
