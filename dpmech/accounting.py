@@ -125,15 +125,25 @@ def _non_private(event: dpe.DpEvent) -> bool:
 
 
 def noise_multiplier_for(target_epsilon: float, delta: float, sampling_rate: float, steps: int,
-                         accountant: str = "rdp", tol: float = 1e-4) -> float:
+                         accountant: str = "rdp", tol: float = 1e-4, before: dpe.DpEvent | None = None) -> float:
     """The smallest noise multiplier whose RDP (or PLD) epsilon after ``steps`` Poisson-subsampled
-    Gaussian steps is <= ``target_epsilon`` at ``delta`` (bisection; rounded up, so never above)."""
+    Gaussian steps is <= ``target_epsilon`` at ``delta`` (bisection; rounded up, so never above).
+
+    ``before``: a fixed event that runs first and shares the budget (e.g. DPGAN's label histogram);
+    the steps' sigma is then calibrated for the composition ``before`` + steps."""
     positive("epsilon", target_epsilon)
     open_unit("delta", delta)
     open_unit_or_one(sampling_rate, "sampling_rate")
+    if before is not None:
+        fixed = epsilon(before, delta, accountant)
+        if fixed >= target_epsilon:
+            raise ValueError(f"epsilon: {target_epsilon} is unreachable at delta {delta}: the fixed release "
+                             f"before the steps alone costs {fixed:.4g}")
 
     def eps(sigma: float) -> float:
         event = subsampled_gaussian_event(sampling_rate, sigma, steps)
+        if before is not None:
+            event = dpe.ComposedDpEvent([before, event])
         if accountant == "rdp":
             # The search runs on dp-accounting's default orders, a subset of RDP_ORDERS: the epsilon
             # on the full grid is never larger, so the sigma found is sound for the reported epsilon

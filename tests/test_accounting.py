@@ -71,3 +71,19 @@ def test_noise_multiplier_calibration_meets_the_target():
 def test_ledger_refuses_bad_entries(bad, match):
     with pytest.raises(ValueError, match=match):
         PrivacyLedger().record(**bad)
+
+
+def test_noise_multiplier_for_a_composition_after_a_fixed_release():
+    """``before``: the steps' sigma is calibrated for the composition (fixed release, then the steps):
+    its epsilon is at most the target and a slightly smaller sigma would exceed it."""
+    before = dpe.GaussianDpEvent(20.0)
+    q, steps = 0.02, 500
+    sigma = noise_multiplier_for(1.0, 1e-5, q, steps, before=before)
+
+    def composed(s):
+        return epsilon(dpe.ComposedDpEvent([before, subsampled_gaussian_event(q, s, steps)]), 1e-5)
+
+    assert composed(sigma) <= 1.0 < composed(sigma * 0.998)
+    assert sigma > noise_multiplier_for(1.0, 1e-5, q, steps)       # the fixed release takes a share
+    with pytest.raises(ValueError, match="epsilon: 0.1 is unreachable .* alone costs"):
+        noise_multiplier_for(0.1, 1e-5, q, steps, before=dpe.GaussianDpEvent(20.0))

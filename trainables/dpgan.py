@@ -20,7 +20,7 @@ from trainables.runtime import TrainerMechanism, run_trial
 
 _TRAINER_KEYS = ("dataset", "epsilon", "delta", "epochs", "batch_size", "n_critic", "clip_grad", "clip_weight",
                  "clip_fake", "mode_seeking", "ema", "lr_critic", "lr_generator", "optimizer", "latent_dim", "hidden", "architecture",
-                 "generator", "seed")
+                 "generator", "fake_labels", "histogram_noise", "seed")
 
 
 class DPGANTrialConfig(CommonConfig):
@@ -47,6 +47,11 @@ class DPGANTrialConfig(CommonConfig):
     hidden: int = Field(256, gt=0, description="width h of the MLPs (critic 2h-h, generator h-2h)")
     architecture: Literal["mlp", "conv"] = Field("mlp", description="critic feature map: mlp (fast per-example gradients on CPUs) or conv (the reference's DCGAN critic, narrowed, no normalisation)")
     generator: Literal["mlp", "dcgan"] = Field("mlp", description="generator: mlp (h-2h) or dcgan (the reference's DCGAN shape, narrowed to h/4 and h/8 channels, GroupNorm; no privacy effect)")
+    fake_labels: Literal["uniform", "dp_histogram"] = Field(
+        "uniform", description="labels of the fake examples: uniform (the paper's Alg. 1) or dp_histogram: drawn from "
+        "the class frequencies released once by the Gaussian mechanism, counted in epsilon (docs/dpgan.md 'Why class 5 fails')")
+    histogram_noise: float = Field(100.0, gt=0, allow_inf_nan=False, description="std of the Gaussian noise on each "
+                                   "class count (sensitivity 1) of fake_labels: dp_histogram")
     tstr_samples: int = Field(10000, gt=0, description="synthetic labelled images the tstr_acc classifier is trained on")
     tstr_epochs: int = Field(3, gt=0, description="epochs of the tstr_acc classifier")
     judge_size: int = Field(10000, gt=0, description="real non-training images the sample-quality classifier is trained on")
@@ -70,7 +75,8 @@ def dpgan_config(cfg: DPGANTrialConfig) -> DPGANConfig:
 
 
 def privacy_event(cfg: DPGANTrialConfig):
-    """The trial's planned dp-accounting event (Poisson-subsampled Gaussian critic steps)."""
+    """The trial's planned dp-accounting event (the label histogram's Gaussian release when
+    ``fake_labels`` is dp_histogram, then the Poisson-subsampled Gaussian critic steps)."""
     return planned_event(dpgan_config(cfg), cfg.train_size)
 
 

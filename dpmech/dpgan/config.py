@@ -14,9 +14,12 @@ import math
 from dataclasses import asdict, dataclass
 
 from dpmech import _validate as v
+from dp_accounting.dp_event import ComposedDpEvent
+
 from dpmech.accounting import noise_multiplier_for, subsampled_gaussian_event
 
 OPTIMIZERS = ("rmsprop", "adam")
+FAKE_LABELS = ("uniform", "dp_histogram")
 # Size of the training split of each dataset (used to plan a trial whose train_size is null).
 TRAIN_SPLIT_SIZE = {"mnist": 60000, "fashion_mnist": 60000, "cifar10": 50000}
 
@@ -43,6 +46,8 @@ class DPGANConfig:
     hidden: int = 256
     architecture: str = "mlp"     # critic feature map: "mlp" (fast per-example gradients on CPUs) or "conv"
     generator: str = "mlp"        # generator: "mlp" or "dcgan" (the reference's DCGAN shape, narrowed; no privacy effect)
+    fake_labels: str = "uniform"  # labels y' of the fake examples: "uniform" (Alg. 1) or "dp_histogram" (docs/dpgan.md)
+    histogram_noise: float = 100.0  # std of the Gaussian noise on each class count (sensitivity 1) of "dp_histogram"
     seed: int = 0
 
     def __post_init__(self):
@@ -69,6 +74,8 @@ class DPGANConfig:
         v.positive_int("hidden", self.hidden)
         v.choice("architecture", self.architecture, ("mlp", "conv"))
         v.choice("generator", self.generator, ("mlp", "dcgan"))
+        v.choice("fake_labels", self.fake_labels, FAKE_LABELS)
+        v.positive("histogram_noise", self.histogram_noise)
         v.positive_int("seed", self.seed, minimum=0)
 
     @property
@@ -95,21 +102,40 @@ def planned_critic_steps(config: DPGANConfig, n: int) -> int:
     return config.epochs * steps_per_epoch(n, config.batch_size)
 
 
+def histogram_noise_multiplier(config: DPGANConfig) -> float | None:
+    """Noise multiplier of the label-histogram release (its sensitivity is 1): ``histogram_noise``
+    when ``fake_labels`` is "dp_histogram" and the run is private, 0 (exact counts) for the
+    non-private baseline, None when no histogram is released ("uniform")."""
+    if config.fake_labels != "dp_histogram":
+        return None
+    return config.histogram_noise if config.private else 0.0
+
+
+def histogram_event(config: DPGANConfig):
+    """The dp-accounting event of the label-histogram release (one Gaussian mechanism), or None."""
+    sigma = histogram_noise_multiplier(config)
+    return None if sigma is None else subsampled_gaussian_event(1.0, sigma, 1)
+
+
 def calibrate_noise(config: DPGANConfig, n: int) -> float:
     """The noise multiplier sigma (noise std sigma * c_g on the clipped sum) whose RDP epsilon after
-    the planned critic steps at rate q is <= the target epsilon at delta (0 when non-private)."""
+    the planned critic steps at rate q -- composed after the label histogram, when one is released --
+    is <= the target epsilon at delta (0 when non-private)."""
     if not config.private:
         return 0.0
     return noise_multiplier_for(config.epsilon, config.delta, sampling_rate(n, config.batch_size),
-                                planned_critic_steps(config, n))
+                                planned_critic_steps(config, n), before=histogram_event(config))
 
 
 def planned_event(config: DPGANConfig, n: int | None = None):
     """The dp-accounting event of a trial that takes every planned critic step (N = ``n``, else the
-    dataset's training split): Poisson-subsampled Gaussian, self-composed."""
+    dataset's training split): the label histogram's Gaussian release (if any), then the
+    Poisson-subsampled Gaussian critic steps, self-composed."""
     n = TRAIN_SPLIT_SIZE[config.dataset] if n is None else n
-    return subsampled_gaussian_event(sampling_rate(n, config.batch_size), calibrate_noise(config, n),
-                                     planned_critic_steps(config, n))
+    steps = subsampled_gaussian_event(sampling_rate(n, config.batch_size), calibrate_noise(config, n),
+                                      planned_critic_steps(config, n))
+    hist = histogram_event(config)
+    return steps if hist is None else ComposedDpEvent([hist, steps])
 
 
 def paper_lemma2_epsilon(noise_multiplier: float, sampling_rate: float, critic_steps: int, delta: float) -> float:

@@ -6,7 +6,10 @@ Critic step (Alg. 1 lines 3-9), with the paper's assumption on c_g *enforced*:
   probability q = m / N (explicit generator); the only place that reads the training tensors is
   :meth:`DPGANTrainer._sample_real_batch`;
 * line 5: m fake examples G(z, y') with z ~ N(0, I) and labels y' uniform over the classes (no real
-  data: neither images nor the label distribution);
+  data: neither images nor the label distribution), or with ``fake_labels: dp_histogram`` drawn from
+  the class frequencies released once, before the first step, by the Gaussian mechanism
+  (:mod:`dpmech.dpgan.labels`; recorded in the ledger as (1, sigma_h, 1) and composed with the
+  critic steps; docs/dpgan.md, "Why class 5 fails");
 * line 6: the critic loss L = mean_fake f(G(z, y'), y') - (1/m) sum_real f(x_i, y_i); the real term's
   per-example gradients are each clipped to norm <= c_g by the book-keeping engine
   (:mod:`dpmech.clipping`; :meth:`clipped_real_gradients` is the torch.func reference the tests use);
@@ -38,9 +41,10 @@ from torch.func import functional_call, grad_and_value, vmap
 from dpmech.accounting import PrivacyLedger
 from dpmech.clipping import BookKeeper
 from dpmech.data import num_classes
-from dpmech.dpgan.config import (DPGANConfig, calibrate_noise, paper_lemma2_epsilon, planned_critic_steps,
-                                 sampling_rate, steps_per_epoch)
+from dpmech.dpgan.config import (DPGANConfig, calibrate_noise, histogram_noise_multiplier, paper_lemma2_epsilon,
+                                 planned_critic_steps, sampling_rate, steps_per_epoch)
 from dpmech.dpgan.evaluate import JudgedSampler
+from dpmech.dpgan.labels import label_probabilities, release_label_histogram
 from dpmech.dpgan.models import DPGANModel
 
 
@@ -87,6 +91,15 @@ class DPGANTrainer(JudgedSampler):
         self.noise_gen = torch.Generator(device=self.device).manual_seed(config.seed + 2)  # Gaussian noise
         self.latent_gen = torch.Generator(device=self.device).manual_seed(config.seed + 3)  # z and fake labels
         self.ledger = PrivacyLedger()
+        # The fake labels' distribution: None = uniform (Alg. 1), else the released label histogram.
+        self.histogram_noise = histogram_noise_multiplier(config)
+        self.label_histogram: torch.Tensor | None = None
+        self.fake_label_probs: torch.Tensor | None = None
+        if self.histogram_noise is not None:
+            hist_gen = torch.Generator(device="cpu").manual_seed(config.seed + 4)
+            self.label_histogram = release_label_histogram(self._y, self.classes, self.histogram_noise, hist_gen)
+            self.ledger.record(1.0, self.histogram_noise, 1)
+            self.fake_label_probs = label_probabilities(self.label_histogram).to(self.device)
         self.epoch = 0
         self.critic_steps = 0
         self.generator_steps = 0
@@ -110,9 +123,13 @@ class DPGANTrainer(JudgedSampler):
         return self._x[idx], self._y[idx]
 
     def _latent(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """z ~ N(0, I) and labels uniform over the classes (Alg. 1 lines 5 and 10)."""
+        """z ~ N(0, I) and labels y' (Alg. 1 lines 5 and 10): uniform over the classes, or drawn from
+        the released label histogram (``fake_labels: dp_histogram``); never from the raw labels."""
         z = torch.randn(m, self.config.latent_dim, generator=self.latent_gen, device=self.device)
-        y = torch.randint(0, self.classes, (m,), generator=self.latent_gen, device=self.device)
+        if self.fake_label_probs is None:
+            y = torch.randint(0, self.classes, (m,), generator=self.latent_gen, device=self.device)
+        else:
+            y = torch.multinomial(self.fake_label_probs, m, replacement=True, generator=self.latent_gen)
         return z, y
 
     def _fake_batch_size(self) -> int:
@@ -303,12 +320,13 @@ class DPGANTrainer(JudgedSampler):
 
     # -------------------------------------------------------------- privacy
     def privacy(self) -> dict[str, float]:
-        """Epsilon of the critic steps actually taken (from the ledger, dp-accounting), the PLD
-        epsilon beside it, and the paper's Lemma 2 formula for the same run (not a guarantee)."""
+        """Epsilon of what ran -- the label histogram (if released) and the critic steps actually
+        taken -- from the ledger (dp-accounting), the PLD epsilon beside it, and the paper's Lemma 2
+        formula for the critic steps (not a guarantee)."""
         cfg = self.config
         out = {
-            "epsilon": self.ledger.epsilon(cfg.delta, "rdp") if self.critic_steps else 0.0,
-            "epsilon_pld": self.ledger.epsilon(cfg.delta, "pld") if self.critic_steps else 0.0,
+            "epsilon": self.ledger.epsilon(cfg.delta, "rdp"),
+            "epsilon_pld": self.ledger.epsilon(cfg.delta, "pld"),
             "delta": cfg.delta,
             "epsilon_paper_lemma2": paper_lemma2_epsilon(self.noise_multiplier, self.sampling_rate,
                                                          self.critic_steps, cfg.delta),
@@ -318,6 +336,8 @@ class DPGANTrainer(JudgedSampler):
             "generator_steps": float(self.generator_steps),
             "clipped_fraction": self.clipped_examples / self.real_examples if self.real_examples else 0.0,
         }
+        if self.histogram_noise is not None:
+            out["histogram_noise"] = self.histogram_noise
         if not cfg.private:
             out["epsilon_pld"] = math.inf
         return out
@@ -338,6 +358,7 @@ class DPGANTrainer(JudgedSampler):
             "noise_gen": self.noise_gen.get_state(),
             "latent_gen": self.latent_gen.get_state(),
             "ledger": self.ledger.state_dict(),
+            "label_histogram": self.label_histogram,
             "epoch": self.epoch,
             "critic_steps": self.critic_steps,
             "generator_steps": self.generator_steps,
@@ -359,6 +380,9 @@ class DPGANTrainer(JudgedSampler):
         self.noise_gen.set_state(state["noise_gen"].cpu())
         self.latent_gen.set_state(state["latent_gen"].cpu())
         self.ledger.load_state_dict(state["ledger"])
+        if self.label_histogram is not None:  # the released histogram, as released (never re-drawn)
+            self.label_histogram = state["label_histogram"].to(torch.float64).cpu()
+            self.fake_label_probs = label_probabilities(self.label_histogram).to(self.device)
         self.epoch = int(state["epoch"])
         self.critic_steps = int(state["critic_steps"])
         self.generator_steps = int(state["generator_steps"])
