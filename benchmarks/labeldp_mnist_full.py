@@ -199,6 +199,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--mixup-alpha", type=float, default=4.0, help="private classification runs")
     ap.add_argument("--mixup-alpha-clean", type=float, default=0.2, help="the non-private classification runs")
     ap.add_argument("--max-units", type=int, default=None)
+    ap.add_argument("--only", default=None, help="comma-separated unit ids, e.g. classification/lp2st/eps_2/seed0")
+    ap.add_argument("--width", type=int, default=16, help="the CNN's first conv channels (the second has twice)")
+    ap.add_argument("--hidden", type=int, default=128, help="the CNN's hidden units")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS / "labeldp_mnist_full.json")
     ap.add_argument("--docs", action="store_true", help="only rewrite docs/label_dp.md's generated tables from --out")
@@ -230,7 +233,7 @@ def main(argv=None) -> dict:
     device = torch.device("cpu")
     settings = {"epochs": args.epochs, "stage1_epochs": args.stage1_epochs, "lr": args.lr,
                 "mixup_alpha": args.mixup_alpha, "mixup_alpha_clean": args.mixup_alpha_clean,
-                "batch_size": 256, "stage1_fraction": 0.4, "stage2_init": "stage1", "prior_mode": "denoised", "width": 16, "hidden": 128,
+                "batch_size": 256, "stage1_fraction": 0.4, "stage2_init": "stage1", "prior_mode": "denoised", "width": args.width, "hidden": args.hidden,
                 "regression": {"optimizer": "adam", "lr": 3e-3, "batch_size": 128, "mixup_alpha": 0.0}}
     runs: dict = {}
     if args.out.exists():
@@ -246,7 +249,9 @@ def main(argv=None) -> dict:
     xt, yt = test.tensors
     log(f"label DP full MNIST: {x.shape[0]} train / {xt.shape[0]} test, settings {settings}, "
         f"{torch.get_num_threads()} thread(s)")
-    todo = [u for u in units() if unit_id(*u) not in runs and (args.seeds is None or u[3] in args.seeds)]
+    only = None if args.only is None else set(args.only.split(","))
+    todo = [u for u in units() if unit_id(*u) not in runs and (args.seeds is None or u[3] in args.seeds)
+            and (only is None or unit_id(*u) in only)]
     if args.max_units is not None:
         todo = todo[:args.max_units]
     log(f"{len(todo)} units to run of {len(units())}")
@@ -270,10 +275,11 @@ def main(argv=None) -> dict:
         uid = unit_id(task, method, eps, seed)
         alpha = args.mixup_alpha_clean if method == "none" else args.mixup_alpha
         if task == "classification":
-            cfg = RecipeConfig(epochs=args.epochs, batch_size=256, lr=args.lr, mixup_alpha=alpha, width=16, hidden=128)
+            cfg = RecipeConfig(epochs=args.epochs, batch_size=256, lr=args.lr, mixup_alpha=alpha, width=args.width,
+                               hidden=args.hidden)
         else:  # regression: Adam (the seed's optimizer; SGD+momentum reached MSE 3.4 vs Adam's 1.0 in a 10k/3-epoch check)
             cfg = RecipeConfig(epochs=args.epochs, batch_size=128, lr=3e-3, optimizer="adam", mixup_alpha=0.0,
-                               width=16, hidden=128)
+                               width=args.width, hidden=args.hidden)
         log(f"[{i + 1}/{len(todo)}] {uid} ...")
         t0 = time.perf_counter()
         res = train_label_dp(method, x, y, eps, seed=seed, cfg=cfg, task=task, stage1_epochs=args.stage1_epochs,
