@@ -89,7 +89,20 @@ def units():
     out += [("dpgan_dcg", e, 0) for e in (10.0, 1.0)] + [("dpgan_dcg", e, s) for s in (1, 2) for e in (10.0, 1.0)]
     out += [("dpgan_hist", e, 0) for e in (10.0, 1.0)] + [("dpgan_hist", e, s) for s in (1, 2) for e in (10.0, 1.0)]
     out += [("dpgan_hist", None, 0)]
+    out += [("dpgan_hist", e, 0) for e in PAPER_EPS]          # Xie et al.'s epsilons, one seed
     return out
+
+
+# the DPGAN paper's epsilons (Xie et al. 2018, MNIST; sweeps/dpgan_mnist.yaml)
+PAPER_EPS = (11.5, 5.76, 3.2, 0.72)
+
+
+def dpgan_recipe(recipes: dict, eps):
+    """The recipe at ``eps``; an epsilon without its own (the paper's) takes epsilon 10's batch from
+    epsilon 2 up and epsilon 1's below (the batch that keeps the noisy sum's SNR near 1)."""
+    if eps in recipes:
+        return recipes[eps]
+    return recipes[10.0] if eps >= 2 else recipes[1.0]
 
 
 def eps_key(eps) -> str:
@@ -111,7 +124,7 @@ def run_unit(method, eps, seed, data, device, progress_every=1):
         base, recipes = {"dpgan": (DPGAN_BASE, DPGAN_RECIPES), "dpgan_v2": (DPGAN_V2_BASE, DPGAN_V2),
                          "dpgan_dcg": (DPGAN_DCG_BASE, DPGAN_RECIPES),
                          "dpgan_hist": (DPGAN_HIST_BASE, DPGAN_RECIPES)}[method]
-        cfg = DPGANConfig(epsilon=eps, seed=seed, **base, **recipes[eps])
+        cfg = DPGANConfig(epsilon=eps, seed=seed, **base, **dpgan_recipe(recipes, eps))
         tr = DPGANTrainer(cfg, x, y, device=device, judge_data=judge, judge_epochs=JUDGE_EPOCHS)
         log(f"  sigma {tr.noise_multiplier:.4f}, q {tr.sampling_rate:.5f}, {tr.planned_critic_steps} critic steps")
         epochs = cfg.epochs
@@ -210,13 +223,29 @@ def results_table(result: dict, method: str) -> str:
     return "\n".join(lines)
 
 
+def paper_eps_table(result: dict, method: str = "dpgan_hist") -> str:
+    """tstr_acc at the DPGAN paper's epsilons (one seed each) with the recipe's batch size."""
+    lines = ["| epsilon (target) | expected batch m | tstr_acc | seeds | epsilon (RDP) | sample_quality | train s (1 thread) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for e in PAPER_EPS:
+        r = result.get(method, {}).get(eps_key(e))
+        m = dpgan_recipe(DPGAN_RECIPES, e)["batch_size"]
+        if r is None:
+            lines.append(f"| {e:g} | {m} | not run | - | - | - | - |")
+            continue
+        lines.append(f"| {e:g} | {m} | {r['tstr_acc']:.3f} | {', '.join(map(str, r['seeds']))} | "
+                     f"{r['epsilon_rdp']:.3f} | {r['sample_quality']:.3f} | {r['train_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
 def update_docs(result: dict, root: Path = Path(__file__).resolve().parent.parent) -> list[Path]:
     """Rewrite the ``results`` block of docs/dpgan.md and docs/dp_merf.md from ``result``."""
     src = f"From benchmarks/results/{NAME}.json by `python benchmarks/{NAME}.py --docs`.\n\n"
-    return update_doc_blocks({
-        root / doc: {"results": src + "\n\n".join(f"{caption}:\n\n{results_table(result, m)}"
-                                                  for m, caption in methods if m in result)}
-        for doc, methods in DOC_TABLES.items()})
+    blocks = {root / doc: {"results": src + "\n\n".join(f"{caption}:\n\n{results_table(result, m)}"
+                                                        for m, caption in methods if m in result)}
+              for doc, methods in DOC_TABLES.items()}
+    blocks[root / "docs/dpgan.md"]["paper-eps"] = src + paper_eps_table(result)
+    return update_doc_blocks(blocks)
 
 
 def payload(done: dict, state: dict, device: torch.device) -> dict:

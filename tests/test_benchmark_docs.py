@@ -13,7 +13,8 @@ ROW = {"tstr_acc": 0.7, "tstr_acc_std": 0.01, "seeds": [0, 1], "epsilon_rdp": 9.
 def _docs(tmp_path):
     (tmp_path / "docs").mkdir()
     for doc in bench.DOC_TABLES:
-        (tmp_path / doc).write_text("# title\n\n<!-- results:begin -->\nold\n<!-- results:end -->\n\ntail\n")
+        extra = "<!-- paper-eps:begin -->\nold\n<!-- paper-eps:end -->\n\n" if doc == "docs/dpgan.md" else ""
+        (tmp_path / doc).write_text(f"# title\n\n<!-- results:begin -->\nold\n<!-- results:end -->\n\n{extra}tail\n")
 
 
 def test_results_table_puts_published_target_and_measured_side_by_side():
@@ -30,6 +31,14 @@ def test_update_docs_rewrites_only_the_results_block(tmp_path):
     assert text.startswith("# title") and text.rstrip().endswith("tail") and "old" not in text
     assert "0.700 ± 0.010" in text and "--docs" in text and "generated" in text
     assert "`dp_merf_paper`" in (tmp_path / "docs/dp_merf.md").read_text()
+
+
+def test_paper_epsilon_table_names_the_batch_and_the_runs_missing(tmp_path):
+    _docs(tmp_path)
+    bench.update_docs({"dpgan_hist": {"eps_3.2": {**ROW, "seeds": [0]}}}, root=tmp_path)
+    text = (tmp_path / "docs/dpgan.md").read_text()
+    assert "| 3.2 | 1200 | 0.700 | 0 | 9.990 |" in text
+    assert "| 0.72 | 2000 | not run |" in text and text.count("old") == 0
 
 
 def test_update_docs_refuses_a_doc_without_exactly_one_block_and_writes_nothing(tmp_path):
