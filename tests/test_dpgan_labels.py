@@ -167,3 +167,18 @@ def test_checkpoint_keeps_the_released_histogram_and_continues_bit_for_bit(tmp_p
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
     assert a.ledger == b.ledger and a.ledger.steps == 1 + a.critic_steps
+
+
+def test_trial_plans_what_the_trainer_spends():
+    """The trainable's planned event (used by the sweep before any trial runs) and the trainer's
+    ledger after every planned step give the same epsilon, histogram included."""
+    from dpmech.accounting import epsilon as event_epsilon
+    from trainables.dpgan import dpgan_config
+
+    x, y = _imbalanced()
+    trial = DPGANTrialConfig(epsilon=2.0, train_size=x.shape[0], batch_size=50, epochs=1, hidden=16, latent_dim=8,
+                             fake_labels="dp_histogram", histogram_noise=5.0)
+    tr = DPGANTrainer(dpgan_config(trial), x, y)
+    tr.train_epoch()
+    assert tr.critic_steps == tr.planned_critic_steps
+    assert tr.privacy()["epsilon"] == pytest.approx(event_epsilon(privacy_event(trial), 1e-5), rel=1e-9)
