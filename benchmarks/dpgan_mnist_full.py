@@ -258,7 +258,10 @@ def payload(done: dict, state: dict, device: torch.device) -> dict:
             "dp_merf_base": MERF_BASE, "dp_merf_paper_base": MERF_PAPER,
             "superseded_units": state.get("superseded_units", {}),
             "dpgan_v2_base": DPGAN_V2_BASE, "dpgan_v2_recipes": {eps_key(k): v for k, v in DPGAN_V2.items()},
-            "dpgan_dcg_base": DPGAN_DCG_BASE, "dpgan_hist_base": DPGAN_HIST_BASE, **aggregate(done), "units": done, "environment": environment(device)}
+            "dpgan_dcg_base": DPGAN_DCG_BASE, "dpgan_hist_base": DPGAN_HIST_BASE,
+            "shipped_recipe": {"dpgan": "dpgan_hist (sweeps/dpgan_mnist_sok.yaml); `dpgan` = the same with uniform "
+                                        "fake labels", "dp_merf": "dp_merf_paper (sweeps/dp_merf_mnist.yaml)"},
+            **aggregate(done), "units": done, "environment": environment(device)}
 
 
 def main(argv=None) -> dict:
