@@ -10,7 +10,7 @@ Bayesian inference turns it into a soft label, post-processing of the release:
 ``softmax(log prior + (|o| - |o - 1|) / b)`` over the classes. The prior may be uniform or the
 current model's softmax on the example's image (``prior="model"``, refreshed once per epoch): both
 read no label except through the release. Training minimises the cross-entropy against the soft
-labels. Not part of the full benchmark (no CPU time left this session); docs/label_dp.md "ALIBI".
+labels. The full benchmark runs it with the model prior (the reference code's default); docs/label_dp.md "ALIBI".
 """
 
 from __future__ import annotations
