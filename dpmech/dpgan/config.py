@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from dpmech import _validate as v
 from dp_accounting.dp_event import ComposedDpEvent
 
+from dpmech import _validate as v
 from dpmech.accounting import noise_multiplier_for, subsampled_gaussian_event
 
 OPTIMIZERS = ("rmsprop", "adam")
