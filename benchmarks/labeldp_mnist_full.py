@@ -179,11 +179,18 @@ def doc_tables(result: dict, source: str = "labeldp_mnist_full.json") -> dict[st
             "labeldp-lp2st": src + "\n".join(diag)}
 
 
-def schedule_table(short: dict, long: dict) -> str:
-    """The same units at two schedules (``settings`` of each JSON), side by side: does training longer
-    close the gap to the published figures? Rows: every unit of the longer run."""
-    def label(st):
-        return f"{st['stage1_epochs']} + {st['epochs']} epochs (LP-2ST), {st['epochs']} (one stage)"
+def schedule_label(st: dict) -> str:
+    return f"{st['stage1_epochs']} + {st['epochs']} epochs (LP-2ST), {st['epochs']} (one stage)"
+
+
+def network_label(st: dict) -> str:
+    return f"CNN {st['width']}/{2 * st['width']} channels, {st['hidden']} hidden"
+
+
+def schedule_table(short: dict, long: dict, label=schedule_label) -> str:
+    """The same units under two settings (``settings`` of each JSON, named by ``label``: the schedule,
+    or the network), side by side: does training longer (a larger network) close the gap to the
+    published figures? Rows: every unit of the second run."""
     lines = [f"| unit | {label(short['settings'])} | {label(long['settings'])} | published |", "| --- | --- | --- | --- |"]
     for uid, r in long.get("runs", {}).items():
         s_ = short.get("runs", {}).get(uid)
@@ -229,6 +236,10 @@ def main(argv=None) -> dict:
             blocks["labeldp-schedule"] = (f"From {args.out.name} and {long.name} by `--docs`.\n\n"
                                           + schedule_table(result, long_result))
             blocks["labeldp-targets-long"] = doc_tables(long_result, long.name)["labeldp-targets"]
+            wide = args.out.with_name(args.out.stem + "_wide.json")
+            if wide.exists():
+                blocks["labeldp-wide"] = (f"From {long.name} and {wide.name} by `--docs`.\n\n"
+                                          + schedule_table(long_result, json.loads(wide.read_text()), network_label))
         update_doc_blocks({doc: blocks})
         log(f"wrote {doc}")
         return {}

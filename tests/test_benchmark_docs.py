@@ -99,3 +99,17 @@ def test_label_dp_merge_unions_runs_of_the_same_settings_only(tmp_path):
     assert got["classification"]["lp2st"]["eps_1"]["seeds"] == [0.95, 0.97]      # the existing run kept
     with pytest.raises(SystemExit, match="settings differ"):
         ldp.main(["--out", str(main), "--merge", str(other)])
+
+
+def test_label_dp_comparison_table_names_the_two_settings_and_pairs_units():
+    from benchmarks import labeldp_mnist_full as ldp
+
+    st = {"epochs": 12, "stage1_epochs": 20, "width": 16, "hidden": 128}
+    run = lambda acc, eps=2.0: {"method": "lp2st", "epsilon": eps, "acc": acc, "mse": None}      # noqa: E731
+    small = {"settings": st, "runs": {"classification/lp2st/eps_2/seed0": run(0.981)}}
+    wide = {"settings": {**st, "width": 32, "hidden": 256},
+            "runs": {"classification/lp2st/eps_2/seed0": run(0.985), "classification/lp2st/eps_4/seed0": run(0.99, 4.0)}}
+    table = ldp.schedule_table(small, wide, ldp.network_label)
+    assert "| unit | CNN 16/32 channels, 128 hidden | CNN 32/64 channels, 256 hidden | published |" in table
+    assert "| classification/lp2st/eps_2/seed0 | 98.10% | 98.50% | 98.78% |" in table
+    assert "| classification/lp2st/eps_4/seed0 | not run | 99.00% | 99.24% |" in table
