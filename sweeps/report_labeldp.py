@@ -28,10 +28,11 @@ _STYLE = {("laplace", "argmax"): ("tab:blue", "o", "Laplace (one-hot, argmax)"),
           ("laplace", "clamp_round"): ("tab:green", "s", "Laplace (clamp-and-round)"),
           ("rr", "argmax"): ("tab:orange", "^", "randomized response"),
           ("lp1st", "argmax"): ("tab:brown", "v", "LP-1ST (RR with uniform prior)"),
-          ("lp2st", "argmax"): ("tab:purple", "D", "LP-2ST (RR with prior, 2 stages)")}
+          ("lp2st", "argmax"): ("tab:purple", "D", "LP-2ST (RR with prior, 2 stages)"),
+          ("alibi", "argmax"): ("tab:cyan", "P", "ALIBI (Laplace, Bayesian soft labels)")}
 # no closed form: LP-2ST's keep probability depends on the stage-1 model (measured keep rates only);
-# LP-1ST's is RR's (the same dotted curve)
-_NO_CURVE = {"lp1st", "lp2st"}
+# LP-1ST's is RR's and ALIBI's (of the noisy vector's argmax) Laplace's (the same dotted curves)
+_NO_CURVE = {"lp1st", "lp2st", "alibi"}
 _REG_STYLE = {"laplace": ("tab:red", "o", "Laplace (clamped to [0, 9])"),
               "rr": ("tab:purple", "^", "randomized response")}
 
