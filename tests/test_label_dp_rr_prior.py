@@ -306,7 +306,8 @@ def test_trial_schema_and_adapter_run_lp2st():
 
     for bad, field in [({"mechanism": "lp2st", "epochs": 3}, "stage1_epochs"),
                        ({"mechanism": "lp1st", "task": "regression"}, "mechanism"),
-                       ({"recipe": "adamw"}, "recipe"), ({"mixup_alpha": -1.0}, "mixup_alpha")]:
+                       ({"recipe": "adamw"}, "recipe"), ({"mixup_alpha": -1.0}, "mixup_alpha"),
+                       ({"recipe": "adam", "width": 32}, "width"), ({"recipe": "mixup_sgd", "hidden": 0}, "hidden")]:
         with pytest.raises(ValueError, match=field):
             validate_config(bad, LabelDPTrialConfig)
     x, y = _data(200, seed=1)
@@ -317,6 +318,12 @@ def test_trial_schema_and_adapter_run_lp2st():
         mech.train_epoch()
     m = evaluate(mech, cfg, x[:100], y[:100])["metrics"]
     assert m["epsilon"] == 4.0 and m["delta"] == 0.0 and m["label_epsilon"] == 4.0
+    # the recipe's network is sized by width / hidden (the default 16 / 128, here 8 / 24)
+    assert mech.trainer.model.features[0].out_channels == 16
+    small = LabelDPMechanism(cfg.model_copy(update={"width": 8, "hidden": 24}), x, y, torch.device("cpu"))
+    convs = [mod for mod in small.trainer.model.modules() if isinstance(mod, torch.nn.Conv2d)]
+    linears = [mod for mod in small.trainer.model.modules() if isinstance(mod, torch.nn.Linear)]
+    assert [c.out_channels for c in convs] == [8, 16] and linears[0].out_features == 24
     assert {"acc_clean", "label_keep_rate", "analytic_keep_prob"} <= set(m)
 
 

@@ -58,6 +58,8 @@ class LabelDPTrialConfig(CommonConfig):
     prior_mode: Literal["denoised", "softmax"] = Field(
         "denoised", description="lp2st: the stage-2 prior, the stage-1 softmax with its RR channel inverted "
         "(denoised) or as is (softmax)")
+    width: int = Field(16, gt=0, description="recipe mixup_sgd: the CNN's channels (width, then 2 width)")
+    hidden: int = Field(128, gt=0, description="recipe mixup_sgd: the CNN's hidden units")
     certify_images: int = Field(0, ge=0, le=0, description="label DP has no certificate: must be 0")
 
     # Label DP protects labels only: a neighbouring dataset that changes an image is not covered,
@@ -84,7 +86,7 @@ def label_dp_config(cfg: LabelDPTrialConfig):
                          seed=cfg.seed, recipe=cfg.recipe, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                          warmup_epochs=cfg.warmup_epochs, mixup_alpha=cfg.mixup_alpha,
                          stage1_fraction=cfg.stage1_fraction, stage1_epochs=cfg.stage1_epochs,
-                         prior_mode=cfg.prior_mode)
+                         prior_mode=cfg.prior_mode, width=cfg.width, hidden=cfg.hidden)
 
 
 class LabelDPMechanism(TrainerMechanism):
