@@ -238,8 +238,10 @@ def main(argv=None) -> dict:
             blocks["labeldp-targets-long"] = doc_tables(long_result, long.name)["labeldp-targets"]
             wide = args.out.with_name(args.out.stem + "_wide.json")
             if wide.exists():
+                wide_result = json.loads(wide.read_text())
                 blocks["labeldp-wide"] = (f"From {long.name} and {wide.name} by `--docs`.\n\n"
-                                          + schedule_table(long_result, json.loads(wide.read_text()), network_label))
+                                          + schedule_table(long_result, wide_result, network_label))
+                blocks["labeldp-targets-wide"] = doc_tables(wide_result, wide.name)["labeldp-targets"]
         update_doc_blocks({doc: blocks})
         log(f"wrote {doc}")
         return {}
