@@ -436,7 +436,7 @@ class LabelDPConfig:
         v.open_unit("stage1_fraction", self.stage1_fraction)
         v.positive_int("width", self.width)
         v.positive_int("hidden", self.hidden)
-        if self.recipe != "mixup_sgd" and (self.width, self.hidden) != (16, 128):
+        if self.recipe != "mixup_sgd" and (self.width, self.hidden) != (LabelDPConfig.width, LabelDPConfig.hidden):
             raise ValueError("width and hidden apply to recipe 'mixup_sgd' only (recipe 'adam' trains the source's "
                              f"CNN), got width {self.width}, hidden {self.hidden}")
         s1 = v.positive_int("stage1_epochs", self.stage1_epochs, minimum=0)
