@@ -267,8 +267,8 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-NOT_LEARNED_LEGEND = ("!  did not learn (not_learned = 1: final train loss within 5% of ln K, or accuracy at "
-                      "chance; docs/metrics.md): its accuracies and certificates say nothing about the mechanism")
+NOT_LEARNED_LEGEND = ("!  did not learn (not_learned = 1: accuracy not significantly above chance, binomial test; "
+                      "docs/metrics.md): its accuracies and certificates say nothing about the mechanism")
 
 
 def quiet_ray() -> None:

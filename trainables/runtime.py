@@ -242,12 +242,13 @@ def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Ten
     inference) provides ``conventional_accuracy(x, y, cfg)``; the others use
     ``dpmech.evaluation.conventional_accuracy`` on ``mech.model``. Both attack the labels
     ``cfg.attack_labels`` names (true by default). ``not_learned`` (docs/metrics.md) comes from
-    ``acc_clean`` (or ``mse``) and ``train_loss``, the last epoch's training loss. ``cfg.certifier``
+    ``acc_clean`` (or ``mse``); ``loss_near_chance``, a hint only, from ``train_loss``, the last
+    epoch's training loss. ``cfg.certifier``
     selects the mechanism's own certifier (``final["certification"]``, ``cert_acc_<size>``),
     randomized smoothing (``final["smoothing"]``, ``smooth_*`` metrics) or both.
     """
     from dpmech.data import num_classes
-    from dpmech.evaluation import certified_accuracy_curve, conventional_accuracy, did_not_learn
+    from dpmech.evaluation import certified_accuracy_curve, conventional_accuracy, did_not_learn, loss_near_chance
 
     if hasattr(mech, "conventional_accuracy"):
         metrics = mech.conventional_accuracy(xt, yt, cfg)
@@ -259,8 +260,11 @@ def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Ten
         metrics["not_learned"] = did_not_learn(num_classes=num_classes(cfg.dataset), mse=metrics["mse"], y_values=yt)
     else:
         metrics["not_learned"] = did_not_learn(
-            num_classes=num_classes(cfg.dataset), acc_clean=metrics.get("acc_clean"), n_test=int(xt.shape[0]), y=yt,
-            train_loss=train_loss, loss_is_cross_entropy=type(cfg).loss_is_cross_entropy)
+            num_classes=num_classes(cfg.dataset), acc_clean=metrics.get("acc_clean"), n_test=int(xt.shape[0]), y=yt)
+        hint = loss_near_chance(num_classes=num_classes(cfg.dataset), train_loss=train_loss,
+                                loss_is_cross_entropy=type(cfg).loss_is_cross_entropy)
+        if hint is not None:  # a hint beside not_learned, never a verdict (docs/metrics.md)
+            metrics["loss_near_chance"] = hint
     result = smooth = None
     if cfg.certify_images > 0:
         k = min(cfg.certify_images, xt.shape[0])
