@@ -338,6 +338,13 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     if released is not None:
         print(f"released: trial {released.get('trial_id', '?')} with {spec.search.metric} = "
               f"{released[spec.search.metric]:.4g} (the only output covered by the end-to-end guarantee)")
+    from sweeps.best import describe_best, record_best
+
+    try:  # the best trial and the compare view, tagged on the parent run (docs/metrics.md)
+        best = record_best(info, spec, rows)
+    except Exception as exc:  # noqa: BLE001 - the trials' results are safe in MLflow; say what is missing
+        best = None
+        _err(f"could not tag the best trial and the compare view on the parent run: {exc}")
     finish_parent_run(info, summary, "FAILED" if failed else "FINISHED")
     print()
     print(format_table(rows))
@@ -346,8 +353,13 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     print()
     if failed:
         print(f"{failed} trial(s) failed after their retries; logs under {exp_dir}")
+    if best is not None:
+        print(describe_best(best, list(dict.fromkeys(k for r in rows for k in r if k.startswith("cfg."))), len(rows)))
     print(f"report:   {_tool('dpsweep')} report {experiment} --tracking-uri {tracking_uri} --out report/")
     print(f"MLflow:   {mlflow_ui_hint(tracking_uri, info['experiment_id'])}")
+    if best is not None and best.compare_url:
+        print(f"compare:  {best.compare_url} (all {best.n_runs} trials: parallel coordinates of the swept keys "
+              "against a metric)")
     print(f"resume:   {_tool('dpsweep')} resume {exp_dir}")
     return EXIT_FAILED if failed else EXIT_OK
 

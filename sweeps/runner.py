@@ -86,7 +86,29 @@ class CheckpointCleaner(tune.Callback):
             self.failed.append(f"{trial.trial_id}: {exc}")
 
 
+SHOWN_KEYS = ("epsilon", "delta", "attack_bound", "psi", "seed")  # shown for every trial that has them
+
+
+def _swept_in(config: dict) -> list[str]:
+    """The keys the sweep varies for this trial's trainable (``swept_keys``, carried in the
+    trial's ``_mlflow`` entry; for Optuna the keys it draws)."""
+    from trainables.dispatch import trial_config
+
+    cfg = trial_config(config)
+    swept = (config.get("_mlflow") or {}).get("swept") or {}
+    return [k for k in swept.get(cfg.get("trainable", ""), []) if k != "trainable"]
+
+
+def _show(value) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, sort_keys=True, default=str)
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
 def _describe(config: dict) -> str:
+    """``trainable=..., <every swept key>=..., epsilon=..., ...`` of a trial (issue 24, point 6)."""
     from trainables.dispatch import trial_config
 
     cfg = trial_config(config)
@@ -218,19 +240,37 @@ def load_state(experiment_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _varying_keys(results, configs: list[dict]) -> list[str]:
+    """Every config key that varies in the sweep: the swept keys of each trial's trainable (Optuna's
+    drawn keys included) and any key whose value differs between the trials that have it."""
+    keys: list[str] = []
+    for r in results:
+        keys += [k for k in _swept_in(r.config or {}) if k not in keys]
+    for k in dict.fromkeys(k for c in configs for k in c):
+        if k in keys or k == "trainable" or k.startswith("_"):
+            continue
+        values = {_show(c[k]) for c in configs if k in c}
+        if len(values) > 1:
+            keys.append(k)
+    return keys
+
+
 def summarize(result_grid, extra_metrics=()) -> tuple[list[dict], dict[str, float], int]:
-    """Rows of final metrics per trial (accuracies, epsilon, delta and ``extra_metrics``), the
-    sweep's privacy summary, and the failure count."""
+    """Rows of final metrics per trial (``cfg.<key>`` for every key that varies in the sweep,
+    then accuracies, epsilon, delta and ``extra_metrics``), the sweep's privacy summary, and the
+    failure count."""
     from trainables.dispatch import trial_config
 
+    results = list(result_grid)
+    configs = [trial_config(r.config or {}) for r in results]
+    varying = _varying_keys(results, configs)
     rows, failed = [], 0
-    for r in result_grid:
-        cfg = trial_config(r.config or {})
+    for r, cfg in zip(results, configs):
         m = r.metrics or {}
         row = {"trial_id": m.get("trial_id", ""), "trainable": cfg.get("trainable", "")}
-        for k in ("epsilon", "delta", "attack_bound", "seed"):
+        for k in dict.fromkeys([*varying, "epsilon", "delta", "attack_bound", "seed"]):
             if k in cfg:
-                row[f"cfg.{k}"] = cfg[k]
+                row[f"cfg.{k}"] = cfg[k] if isinstance(cfg[k], (int, float, str, bool)) else _show(cfg[k])
         for k, val in m.items():
             if k.startswith(("acc_", "cert_acc_", "smooth_cert_acc_")) or k in ("epsilon", "delta", *extra_metrics):
                 row[k] = val
