@@ -112,8 +112,9 @@ def _describe(config: dict) -> str:
     from trainables.dispatch import trial_config
 
     cfg = trial_config(config)
-    shown = {k: cfg[k] for k in ("trainable", "epsilon", "delta", "attack_bound", "psi", "seed") if k in cfg}
-    return ", ".join(f"{k}={v}" for k, v in shown.items())
+    keys = ["trainable", *_swept_in(config), *SHOWN_KEYS]
+    shown = {k: cfg[k] for k in dict.fromkeys(keys) if k in cfg}
+    return ", ".join(f"{k}={_show(v)}" for k, v in shown.items())
 
 
 def swept_keys(spec, trials: list[dict] | None = None) -> dict[str, list[str]]:
