@@ -102,16 +102,36 @@ def ledger_event(entries) -> dpe.DpEvent:
 
 
 def epsilon(event: dpe.DpEvent, delta: float, accountant: str = "rdp") -> float:
-    """Epsilon of ``event`` at ``delta`` by RDP (``"rdp"``) or privacy loss distributions (``"pld"``)."""
+    """Epsilon of ``event`` at ``delta`` by RDP (``"rdp"``) or privacy loss distributions (``"pld"``).
+
+    A pure function of the event, memoised per process on the event's ``repr`` (exact: floats print
+    round-trip): a sweep's trials share a few plans, and one PLD evaluation costs about a second."""
     open_unit("delta", delta)
     if _non_private(event):
         return math.inf
+    if accountant not in ("rdp", "pld"):
+        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
+    return _epsilon_memo(repr(event), float(delta), accountant, event)
+
+
+_EPSILON_MEMO: dict[tuple[str, float, str], float] = {}
+_MEMO_SIZE = 4096
+
+
+def _epsilon_memo(key: str, delta: float, accountant: str, event: dpe.DpEvent) -> float:
+    k = (key, delta, accountant)
+    if k not in _EPSILON_MEMO:
+        if len(_EPSILON_MEMO) >= _MEMO_SIZE:
+            _EPSILON_MEMO.clear()
+        _EPSILON_MEMO[k] = _compute_epsilon(event, delta, accountant)
+    return _EPSILON_MEMO[k]
+
+
+def _compute_epsilon(event: dpe.DpEvent, delta: float, accountant: str) -> float:
     if accountant == "rdp":
         acc = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS))
-    elif accountant == "pld":
-        acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
     else:
-        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
+        acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
     acc.compose(event)
     return float(acc.get_epsilon(delta))
 
@@ -130,10 +150,25 @@ def noise_multiplier_for(target_epsilon: float, delta: float, sampling_rate: flo
     Gaussian steps is <= ``target_epsilon`` at ``delta`` (bisection; rounded up, so never above).
 
     ``before``: a fixed event that runs first and shares the budget (e.g. DPGAN's label histogram);
-    the steps' sigma is then calibrated for the composition ``before`` + steps."""
+    the steps' sigma is then calibrated for the composition ``before`` + steps. Memoised per process
+    like :func:`epsilon` (the trials of a sweep share their plans)."""
     positive("epsilon", target_epsilon)
     open_unit("delta", delta)
     open_unit_or_one(sampling_rate, "sampling_rate")
+    key = (float(target_epsilon), float(delta), float(sampling_rate), int(steps), accountant, float(tol),
+           repr(before))
+    if key not in _SIGMA_MEMO:
+        if len(_SIGMA_MEMO) >= _MEMO_SIZE:
+            _SIGMA_MEMO.clear()
+        _SIGMA_MEMO[key] = _calibrate(target_epsilon, delta, sampling_rate, steps, accountant, tol, before)
+    return _SIGMA_MEMO[key]
+
+
+_SIGMA_MEMO: dict[tuple, float] = {}
+
+
+def _calibrate(target_epsilon: float, delta: float, sampling_rate: float, steps: int, accountant: str, tol: float,
+               before: dpe.DpEvent | None) -> float:
     if before is not None:
         fixed = epsilon(before, delta, accountant)
         if fixed >= target_epsilon:

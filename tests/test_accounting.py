@@ -87,3 +87,20 @@ def test_noise_multiplier_for_a_composition_after_a_fixed_release():
     assert sigma > noise_multiplier_for(1.0, 1e-5, q, steps)       # the fixed release takes a share
     with pytest.raises(ValueError, match="epsilon: 0.1 is unreachable .* alone costs"):
         noise_multiplier_for(0.1, 1e-5, q, steps, before=dpe.GaussianDpEvent(20.0))
+
+
+def test_epsilon_memo_is_exact_per_event():
+    """The per-process memo of epsilon and of the calibration returns what a fresh computation
+    gives, and never one event's value for another (the key is the event itself)."""
+    from dpmech import accounting as acc
+
+    a = acc.subsampled_gaussian_event(0.01, 1.1, 100)
+    b = acc.subsampled_gaussian_event(0.01, 1.1, 101)
+    for kind in ("rdp", "pld"):
+        first = acc.epsilon(a, 1e-5, kind)
+        assert acc.epsilon(a, 1e-5, kind) == first == acc._compute_epsilon(a, 1e-5, kind)
+        assert acc.epsilon(b, 1e-5, kind) == acc._compute_epsilon(b, 1e-5, kind) > first
+        assert acc.epsilon(a, 1e-6, kind) > first
+    sigma = acc.noise_multiplier_for(2.0, 1e-5, 0.01, 100)
+    assert acc.noise_multiplier_for(2.0, 1e-5, 0.01, 100) == sigma
+    assert acc.noise_multiplier_for(2.0, 1e-5, 0.01, 200) > sigma
