@@ -40,7 +40,8 @@ _PUBLIC = {
 }
 # submodules, public too (``dpmech.certify.certify``, ``dpmech.smoothing.certify``,
 # ``dpmech.accounting.epsilon``): a function named like its module (certify, audit) is reached through
-# the module, since importing a submodule binds its name on the package.
+# the module, since importing a submodule binds its name on the package; ``dpmech.certify(...)`` still
+# works: that module is callable and forwards to its ``certify``.
 _MODULES = ("accounting", "attacks", "audit", "certify", "data", "evaluation", "mechanisms", "noise_layer",
             "smoothing")
 

@@ -29,6 +29,8 @@ The steps, one function each, in the order of the paper:
 from __future__ import annotations
 
 import math
+import sys
+import types
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -623,3 +625,17 @@ def certified_accuracy(result: CertificationResult, sizes) -> dict[float, float]
         t = v.non_negative("size", t)
         out[t] = float((result.correct & certified & (result.certified_size >= t)).mean())
     return out
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable: ``dpmech.certify(model, x, y, ...)`` is ``dpmech.certify.certify(...)``.
+
+    ``import dpmech.certify`` (or the lazy ``dpmech.certify``) binds the module to the name users
+    expect to be the function; calling it forwards to ``certify``. ``from dpmech.certify import
+    certify`` and every other name of the module are unchanged."""
+
+    def __call__(self, *args, **kwargs):
+        return certify(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -91,6 +91,10 @@ def _allowed(field) -> str:
             return [" | ".join(repr(a) for a in typing.get_args(tp))]
         if origin in (typing.Union, types.UnionType):
             return [p for a in typing.get_args(tp) for p in describe(a)]
+        if origin is typing.Annotated:  # Annotated[int, Field(gt=0)]: the type with its own bounds
+            inner, *meta = typing.get_args(tp)
+            own = [b for m in meta for b in _bounds(getattr(m, "metadata", None) or [m])]
+            return [f"{d} ({', '.join(own)})" if own else d for d in describe(inner)]
         if tp is type(None):
             return ["null"]
         if typing.get_origin(tp) is not None:  # dict[str, list[float]]
@@ -98,15 +102,21 @@ def _allowed(field) -> str:
         return [getattr(tp, "__name__", None) or str(tp).replace("typing.", "")]
 
     parts = describe(field.annotation)
+    bounds = _bounds(field.metadata)
+    text = " | ".join(parts)
+    return f"{text} ({', '.join(bounds)})" if bounds else text
+
+
+def _bounds(metadata) -> list[str]:
+    """Numeric bounds and length rules of pydantic field metadata, in words (``> 0``)."""
     bounds = []
-    for m in field.metadata:
+    for m in metadata:
         for attr, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
             if getattr(m, attr, None) is not None:
                 bounds.append(f"{sym} {getattr(m, attr)}")
         if getattr(m, "min_length", None):
             bounds.append(f"at least {m.min_length} item(s)")
-    text = " | ".join(parts)
-    return f"{text} ({', '.join(bounds)})" if bounds else text
+    return bounds
 
 
 def cmd_mechanisms(args) -> int:
@@ -185,6 +195,8 @@ def cmd_run(args) -> int:
         shown = [{k: v for k, v in t.items() if not isinstance(v, (dict, list))} for t in trials]
         print(format_table(shown) if shown else "(trials are proposed by Optuna while the sweep runs)")
         return EXIT_OK
+    if not _tracking_ok(tracking_uri):  # a few seconds at most, before Ray starts or any MLflow run
+        return EXIT_INVALID
 
     from dpmech.data import ensure_available
 
@@ -378,6 +390,8 @@ def cmd_resume(args) -> int:
     except (FileNotFoundError, SpecError) as exc:
         _err(str(exc))
         return EXIT_INVALID
+    if not _tracking_ok(state["mlflow"]["tracking_uri"]):
+        return EXIT_INVALID
     ray_init()
     from sweeps.cluster_checks import StorageRefused, preflight
     from sweeps.runner import trial_resources
@@ -406,6 +420,8 @@ def cmd_report(args) -> int:
     from sweeps.tracking import resolve_tracking_uri
 
     uri = resolve_tracking_uri(args.tracking_uri, None)
+    if not _tracking_ok(uri):
+        return EXIT_INVALID
     try:
         out = make_report(args.experiment, uri, Path(args.out), sizes=args.sizes, parent_run_id=args.run)
     except ValueError as exc:
@@ -413,6 +429,19 @@ def cmd_report(args) -> int:
         return EXIT_INVALID
     print(f"report written to {out}")
     return EXIT_OK
+
+
+def _tracking_ok(uri: str) -> bool:
+    """Whether the MLflow tracking store answers (``sweeps.tracking.check_tracking_store``); if
+    not, one ``dpsweep: error:`` line."""
+    from sweeps.tracking import TrackingUnreachable, check_tracking_store
+
+    try:
+        check_tracking_store(uri)
+    except TrackingUnreachable as exc:
+        _err(str(exc))
+        return False
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -453,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainables import quiet_accounting_logs
+
+    quiet_accounting_logs()  # dp-accounting's per-order convergence warnings (trainables/__init__.py)
     args = build_parser().parse_args(argv)
     return args.fn(args)
 

@@ -252,7 +252,7 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, pa
     out.mkdir(parents=True, exist_ok=True)
     trials = sweep.trials
     visible = [c for c in trials.columns if c not in HIDDEN]
-    trials[visible].to_csv(out / "trials.csv", index=False)
+    _csv_spelling(trials[visible]).to_csv(out / "trials.csv", index=False)
     files = [out / "trials.csv"]
 
     figures: list[tuple[str, str, str]] = []  # (title, file, caption)
@@ -378,6 +378,19 @@ def _dpal_rows(sweep: Sweep) -> list[dict]:
             out[key] = fmt_stat(float(vals.mean()), float(vals.std(ddof=1)) if len(vals) > 1 else math.nan, len(vals))
         rows.append(out)
     return rows
+
+
+def _csv_spelling(frame):
+    """``trials.csv`` spells booleans as the spec does, ``true``/``false`` (pandas would write
+    Python's ``True``; ``attack_labels: true`` is read back from MLflow as a boolean); pandas and
+    most CSV readers parse the lowercase words as booleans again."""
+    import numpy as np
+
+    frame = frame.copy()
+    for col in frame.columns:
+        if frame[col].dtype == bool or frame[col].dtype == object:
+            frame[col] = frame[col].map(lambda x: ("true" if x else "false") if isinstance(x, (bool, np.bool_)) else x)
+    return frame
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:

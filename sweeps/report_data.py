@@ -111,7 +111,17 @@ def load_sweep(experiment: str, tracking_uri: str, *, parent_run_id: str | None 
     if exp is None:
         raise ValueError(f"experiment: no MLflow experiment named {experiment!r} at {tracking_uri}")
     if parent_run_id:
-        parent = retry(lambda: client.get_run(parent_run_id), what="get_run")
+        from mlflow.exceptions import MlflowException
+
+        try:  # an unknown id is a permanent error: retry raises it at once
+            parent = retry(lambda: client.get_run(parent_run_id), what="get_run")
+        except MlflowException as exc:
+            if exc.get_http_status_code() not in (400, 404):
+                raise
+            raise ValueError(f"--run: no MLflow run with id {parent_run_id!r} at {tracking_uri}") from None
+        if parent.info.experiment_id != exp.experiment_id:
+            raise ValueError(f"--run: run {parent_run_id} belongs to experiment id {parent.info.experiment_id}, "
+                             f"not to {experiment!r} (id {exp.experiment_id})")
         if not _finished_children(client, exp.experiment_id, parent_run_id):
             raise ValueError(f"--run: sweep {parent.info.run_name} ({parent_run_id}) has no finished trial; "
                              f"nothing to report")

@@ -150,14 +150,8 @@ def _final_metric_optuna():
     metric (``acc_clean``, ``cert_acc_*``) raised KeyError inside Ray and killed every trial. The
     final result carries every metric (the last epoch's included), and Optuna is told the trial's
     value from it at completion; no pruner is used, so skipping the intermediate results loses
-    nothing."""
-    from ray.tune.search.optuna import OptunaSearch
-
-    class FinalMetricOptunaSearch(OptunaSearch):
-        def on_trial_result(self, trial_id: str, result: dict):
-            if isinstance(self.metric, str) and self.metric not in result:
-                return
-            super().on_trial_result(trial_id, result)
+    nothing. Public, for a study's own Tuner: ``trainables.search.FinalMetricOptunaSearch``."""
+    from trainables.search import FinalMetricOptunaSearch
 
     return FinalMetricOptunaSearch
 

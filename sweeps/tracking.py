@@ -17,14 +17,109 @@ DEFAULT_DB = "mlflow.db"
 
 
 def resolve_tracking_uri(cli_uri: str | None, spec_uri: str | None) -> str:
-    """--tracking-uri, then the spec, then MLFLOW_TRACKING_URI, then sqlite:///<cwd>/mlflow.db.
-
-    A relative SQLite path is made absolute: Ray runs trials in other working directories.
-    """
+    """--tracking-uri, then the spec, then MLFLOW_TRACKING_URI, then sqlite:///<cwd>/mlflow.db,
+    made absolute (``absolute_tracking_uri``)."""
     uri = cli_uri or spec_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{DEFAULT_DB}"
+    return absolute_tracking_uri(uri)
+
+
+def absolute_tracking_uri(uri: str) -> str:
+    """A tracking URI that names the same store from any working directory: a relative SQLite
+    path (``sqlite:///mlflow.db``) or a plain relative path (a file store) is resolved against
+    this process's working directory. Ray runs each trial in a working directory of its own, where
+    the relative form would open a stray, empty store. Other URIs are returned unchanged."""
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        uri = "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+        return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+    if "://" not in uri and ":" not in uri.split("/", 1)[0] and uri not in ("databricks", "databricks-uc", "uc"):
+        return str(Path(uri).expanduser().resolve())
     return uri
+
+
+class TrackingUnreachable(ValueError):
+    """The MLflow tracking store cannot be reached or written (one line, naming the URI)."""
+
+
+def check_tracking_store(uri: str, *, field: str = "tracking URI", timeout: float = 2.5, tries: int = 2) -> None:
+    """Fail fast (``TrackingUnreachable``) when ``uri`` cannot work, before Ray starts or any
+    MLflow run exists: an ``http(s)://`` tracking server is probed at ``/health`` (MLflow's
+    liveness endpoint; ``/api/2.0/mlflow/experiments/search`` where a proxy hides it) with a
+    ``timeout``-second limit, ``tries`` times; a SQLite database or a file store must be writable
+    by this process. Other stores (postgresql://, databricks, ...) are left to MLflow.
+
+    MLflow's own client retries a refused connection for about two minutes per call, so without
+    this a sweep against a server that is not running stays silent for minutes."""
+    if uri.startswith(("http://", "https://")):
+        _probe_server(uri, field=field, timeout=timeout, tries=tries)
+        return
+    if uri.startswith("sqlite:///"):
+        _check_writable(Path(uri[len("sqlite:///"):]), uri, field, is_file=True)
+    elif uri.startswith("file:"):
+        from urllib.parse import urlparse
+
+        _check_writable(Path(urlparse(uri).path), uri, field, is_file=False)
+    elif "://" not in uri and ":" not in uri.split("/", 1)[0] and uri not in ("databricks", "databricks-uc", "uc"):
+        _check_writable(Path(uri), uri, field, is_file=False)
+
+
+def _check_writable(path: Path, uri: str, field: str, *, is_file: bool) -> None:
+    path = path.expanduser()
+    if path.exists():
+        target = path
+    elif is_file:  # SQLite creates the database file, not its directory
+        target = path.parent
+        if not target.is_dir():
+            raise TrackingUnreachable(f"{field}: {uri}: the directory {target} of the SQLite database does not "
+                                      f"exist; create it or pass another tracking URI")
+    else:  # a file store creates its directory and parents
+        target = path
+        while not target.exists() and target != target.parent:
+            target = target.parent
+    if not os.access(target, os.W_OK | (os.X_OK if target.is_dir() else 0)):
+        raise TrackingUnreachable(f"{field}: {uri}: {target} is not writable by this user; pass a tracking URI "
+                                  f"in a writable place")
+
+
+def _probe_server(uri: str, *, field: str, timeout: float, tries: int) -> None:
+    import ssl
+    import time
+    import urllib.error
+    import urllib.request
+
+    context = None
+    if uri.startswith("https://"):
+        if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() in ("1", "true"):
+            context = ssl._create_unverified_context()  # noqa: S323 - what MLflow itself does with this setting
+        else:
+            context = ssl.create_default_context(cafile=os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or None)
+    base = uri.rstrip("/")
+    reason = ""
+    for attempt in range(max(1, tries)):
+        if attempt:
+            time.sleep(0.5)
+        status = None
+        for path in ("/health", "/api/2.0/mlflow/experiments/search?max_results=1"):
+            try:
+                with urllib.request.urlopen(base + path, timeout=timeout, context=context) as resp:  # noqa: S310
+                    status = resp.status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            except (urllib.error.URLError, OSError) as exc:
+                reason = str(getattr(exc, "reason", exc) or exc)
+                break
+            if status != 404:
+                break
+        if status is None:
+            continue
+        if status == 404:
+            raise TrackingUnreachable(f"{field}: {uri} answers, but not as an MLflow tracking server (HTTP 404 on "
+                                      f"/health and on the REST API); check the address")
+        if status >= 500:
+            reason = f"HTTP {status} on /health"
+            continue
+        return  # 2xx, 3xx, or 4xx such as 401: the server is there (credentials are MLflow's to send)
+    raise TrackingUnreachable(f"{field}: no MLflow tracking server answers at {uri} ({reason}, {tries} tries of "
+                              f"{timeout:g} s); start one (mlflow server --host HOST --port PORT) or pass another "
+                              f"--tracking-uri")
 
 
 def git_commit() -> str:
@@ -66,10 +161,13 @@ def experiment_id(client, name: str) -> str:
 
 
 def start_parent_run(tracking_uri: str, experiment: str, run_name: str, spec_raw: dict, flat_params: dict) -> dict:
-    """Create the parent run; returns the info trials need (``_mlflow`` in their config)."""
+    """Create the parent run; returns the info trials need (``_mlflow`` in their config), with the
+    tracking URI made absolute (``absolute_tracking_uri``): ``sqlite:///mlflow.db`` names the
+    database in this process's working directory, for every trial."""
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
+    tracking_uri = absolute_tracking_uri(tracking_uri)  # trials run in other working directories
     client = MlflowClient(tracking_uri)
     exp_id = experiment_id(client, experiment)
     tags = {"mlflow.runName": run_name, "dpsweep.kind": "sweep", "dpsweep.version": project_version(),

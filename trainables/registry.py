@@ -109,7 +109,8 @@ REGISTRY: dict[str, TrainableEntry] = {
         privacy_keys=DP_MERF_PRIVACY_KEYS),
     "dpsgd": TrainableEntry(
         "dpsgd", "trainables.dpsgd:dpsgd", DPSGDTrialConfig,
-        "DP-SGD (Abadi et al. 2016) through Opacus: Poisson sampling, per-example clipping (ghost or flat), "
+        "DP-SGD (Abadi et al. 2016): Poisson sampling, per-example clipping (clipping: bk, book-keeping in one "
+        "backward pass, the default; ghost or flat through Opacus), "
         "Gaussian noise calibrated to (epsilon, delta) over the planned steps; RDP/PLD epsilon from the ledger; "
         "epsilon null = non-private baseline of the same network (docs/dpsgd.md).",
         epsilon_protects="training examples (RDP/PLD ledger)",

@@ -3,7 +3,8 @@
 All calls go through ``MlflowClient`` with an explicit tracking URI (no global MLflow state, so
 trials in one worker process cannot leak runs into each other) and are retried with backoff:
 a tracking server that is briefly away delays logging but loses nothing; one that stays away
-fails the trial loudly.
+fails the trial loudly; an error that cannot succeed (an unknown run or experiment, a refused
+request: ``is_permanent``) fails it at once with MLflow's own message.
 
 A trial finds its child run in this order: the run id stored in its checkpoint; an existing run
 tagged with its Ray trial id under the same parent (a retry that crashed before its first
@@ -47,13 +48,41 @@ def run_name(trainable: str, config: dict, swept: list[str] | tuple[str, ...] = 
     return " ".join([trainable, *(f"{k}={fmt(config[k])}" for k in keys)])[:250]
 
 
+#: HTTP statuses of MLflow errors worth retrying: a timeout, a conflicting concurrent write, a rate limit
+TRANSIENT_HTTP = (408, 409, 429)
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """Whether an MLflow error cannot succeed on a retry: an ``MlflowException`` (``RestException``
+    included) whose error code maps to an HTTP 4xx status other than 408/409/429, e.g.
+    ``RESOURCE_DOES_NOT_EXIST`` (404: "No Experiment with id=3 exists", an unknown run id),
+    ``INVALID_PARAMETER_VALUE``/``BAD_REQUEST`` (400), ``UNAUTHENTICATED``/``PERMISSION_DENIED``
+    (401/403). Everything else is transient: connection errors and timeouts, 5xx
+    (``INTERNAL_ERROR``, ``TEMPORARILY_UNAVAILABLE``), rate limits, SQLite's "database is locked"."""
+    from mlflow.exceptions import MlflowException
+
+    if not isinstance(exc, MlflowException):
+        return False
+    try:
+        status = int(exc.get_http_status_code())
+    except (TypeError, ValueError):
+        return False
+    return 400 <= status < 500 and status not in TRANSIENT_HTTP
+
+
 def retry(fn: Callable[[], T], *, what: str, attempts: int = 8, first_wait: float = 0.5) -> T:
-    """Call ``fn`` until it succeeds, waiting 0.5, 1, 2, ... s (about 2 minutes in all)."""
+    """Call ``fn`` until it succeeds, waiting 0.5, 1, 2, ... s (about 2 minutes in all).
+
+    A permanent MLflow error (``is_permanent``) is raised at once, unchanged: retrying an unknown
+    run id or a refused request only delays the same message.
+    """
     wait = first_wait
     for i in range(attempts):
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - MLflow raises many kinds on a lost connection
+            if is_permanent(exc):
+                raise
             if i == attempts - 1:
                 raise RuntimeError(f"MLflow {what} failed after {attempts} attempts: {exc}") from exc
             log.warning("MLflow %s failed (%s); retrying in %.1fs", what, exc, wait)
