@@ -413,8 +413,8 @@ class DPSGDTrainer:
             for p in opt.params:
                 p.summed_grad = torch.zeros_like(p)
             opt.add_noise()
-            opt.scale_grad()
-            for p in opt.params:
+            for p in opt.params:  # / B, as scale_grad() does (it reads p.grad_sample, absent here: flat crashed)
+                p.grad /= opt.expected_batch_size
                 p.summed_grad = None
         else:
             for group in self.base_optimizer.param_groups:

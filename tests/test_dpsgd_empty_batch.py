@@ -1,0 +1,40 @@
+"""An empty Poisson batch in every clipping engine: the step adds the noise N(0, (sigma C)^2) / B
+and is taken (``DPSGDTrainer._empty_step``); ``clipping: flat`` used to crash there (issue 25)."""
+
+import pytest
+import torch
+from torch import nn
+
+from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer
+
+
+def _update(mode: str, *, sigma: float = 1.0, lr: float = 0.5, batch: int = 4, seed: int = 3) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 50))
+    cfg = DPSGDConfig(epsilon=None, noise_multiplier=sigma, max_grad_norm=2.0, batch_size=batch, epochs=1,
+                      clipping=mode, lr=lr, momentum=0.0, seed=seed)
+    trainer = DPSGDTrainer(model, torch.randn(16, 1, 8, 8), torch.randint(0, 50, (16,)), cfg)
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    n, loss, correct = trainer._step(torch.zeros(0, dtype=torch.long))
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert (n, loss, correct) == (0, 0.0, 0) and trainer.steps == 1
+    trainer.close()
+    return after - before
+
+
+@pytest.mark.parametrize("mode", ["flat", "ghost", "bk"])
+def test_empty_batch_step_adds_calibrated_noise(mode):
+    d = _update(mode)
+    # SGD step of the noise alone: -lr * N(0, (sigma C)^2) / B, sd 0.5 * 2 / 4 = 0.25 (3,250 parameters)
+    assert d.mean().abs() < 0.02
+    assert d.std().item() == pytest.approx(0.25, rel=0.05)
+
+
+def test_empty_batch_flat_matches_bookkeeping_engine():
+    """Same seed, same noise stream: the flat engine's empty step equals book-keeping's."""
+    assert torch.allclose(_update("flat"), _update("bk"), atol=1e-6)
+
+
+def test_empty_batch_without_noise_moves_nothing():
+    """Negative control: sigma 0 and an empty batch leave the model where it was."""
+    assert torch.count_nonzero(_update("flat", sigma=0.0)) == 0
