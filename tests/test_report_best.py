@@ -130,3 +130,64 @@ def test_console_shows_what_optuna_varied():
     # one finished trial so far: nothing differs yet, but Optuna drew lr and batch_size
     rows, _, _ = summarize([_result(cfg, {"trial_id": "a", "acc_clean": 0.5})])
     assert rows[0]["cfg.lr"] == 0.0123 and rows[0]["cfg.batch_size"] == 256
+
+
+# --------------------------------------------------------------------------- the compare view in a browser
+
+
+@pytest.mark.skipif(__import__("shutil").which("chromium") is None, reason="needs chromium (apt-get install chromium)")
+def test_compare_view_opens_on_parallel_coordinates_of_the_swept_keys(tmp_path):
+    """Headless Chromium on the printed address: MLflow's compare view draws the parallel
+    coordinates of the params that differ between the children (the swept keys) against a metric."""
+    import re
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    from sweeps.best import record_best
+    from trainables.tracking import TAG_PARENT, TAG_TRIAL
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("ui")
+    parent = client.create_run(exp, tags={"dpsweep.kind": "sweep"}).info.run_id
+    rows = []
+    for i, (eps, mgn) in enumerate([(1.0, 0.1), (1.0, 1.0), (4.0, 0.1), (4.0, 1.0)]):
+        run = client.create_run(exp, tags={TAG_PARENT: parent, TAG_TRIAL: f"t{i}"}).info.run_id
+        client.log_batch(run, params=[Param("epsilon", str(eps)), Param("max_grad_norm", str(mgn)), Param("lr", "0.5")],
+                         metrics=[Metric("acc_clean", 0.5 + 0.1 * eps - 0.05 * mgn, 0, 0), Metric("epsilon", eps, 0, 0)])
+        client.set_terminated(run)
+        rows.append({"trial_id": f"t{i}", "status": "DONE", "acc_clean": 0.5 + 0.1 * eps - 0.05 * mgn})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    info = {"tracking_uri": uri, "experiment_id": exp, "parent_run_id": parent}
+    url = record_best(info, _spec(), rows).compare_url.replace("127.0.0.1:5000", f"127.0.0.1:{port}")
+    mlflow_bin = str(Path(sys.executable).parent / "mlflow")
+    ui = subprocess.Popen([mlflow_bin, "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        for _ in range(90):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        dom = subprocess.run(["chromium", "--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1600,1200",
+                              "--virtual-time-budget=20000", "--dump-dom", url],
+                             capture_output=True, text=True, timeout=180).stdout
+    finally:
+        import os
+        import signal
+
+        os.killpg(ui.pid, signal.SIGTERM)
+        ui.wait(timeout=30)
+    assert "Comparing 4 Runs" in dom and "Parallel Coordinates Plot" in dom
+    axes = re.findall(r'class="axis-title"[^>]*data-unformatted="([^"]+)"', dom)
+    assert axes == ["epsilon", "max_grad_norm", "acc_clean"], axes  # lr is the same everywhere: not drawn
