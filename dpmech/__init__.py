@@ -4,7 +4,8 @@ Mechanisms and their calibration (``mechanisms``), datasets in [-1, 1] (``data``
 (``attacks``: FGSM, I-FGSM, MIM, PGD, APGD), PixelDP's noise layer, networks and trainer
 (``noise_layer``, ``models``, ``pixeldp``), the PixelDP certifier for any noisy model
 (``certify``), randomized smoothing (``smoothing``), the one-run privacy audit (``audit``),
-privacy accounting (``accounting``, on dp-accounting) and evaluation helpers (``evaluation``).
+privacy accounting (``accounting``, on dp-accounting), evaluation helpers (``evaluation``) and
+DP-SGD for any ``nn.Module`` (``DPSGDTrainer``, ``DPSGDConfig``).
 
 The public names below are listed in ``__all__`` and imported lazily on first use, so
 ``import dpmech`` is cheap and never imports Ray or MLflow. Conventions: inputs in [-1, 1];
@@ -37,6 +38,8 @@ _PUBLIC = {
     "PrivacyLedger": "dpmech.accounting",
     # data
     "load_splits": "dpmech.data",
+    # DP-SGD on any nn.Module (docs/notebook.md, "Train your own model with DP-SGD")
+    "DPSGDTrainer": "dpmech.dpsgd", "DPSGDConfig": "dpmech.dpsgd",
 }
 # submodules, public too (``dpmech.certify.certify``, ``dpmech.smoothing.certify``,
 # ``dpmech.accounting.epsilon``): a function named like its module (certify, audit) is reached through

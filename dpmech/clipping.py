@@ -67,10 +67,27 @@ def check_model(model: nn.Module) -> list[nn.Module]:
         if not own:
             continue
         if not _supported(m):
-            raise ValueError(f"clipping: 'bk' supports nn.Linear, nn.Conv2d (groups 1, zero padding) and nn.GroupNorm; "
-                             f"module {name or 'model'!r} is {type(m).__name__} (use clipping 'ghost')")
+            raise ValueError(f"clipping: 'bk' cannot clip layer {name or 'model'!r} ({_type_path(m)}): it supports "
+                             f"nn.Linear, nn.Conv2d (groups 1, zero padding) and nn.GroupNorm; {engines_that_can(m)}")
         layers.append(m)
     return layers
+
+
+def _type_path(m: nn.Module) -> str:
+    t = type(m)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def engines_that_can(m: nn.Module) -> str:
+    """Which other clipping engines handle the layer ``m`` (a phrase for error messages): Opacus's
+    'ghost' and 'flat' through its per-sample gradient of that layer type, or through functorch
+    (``torch.func``) for a layer type it has none for."""
+    from opacus.grad_sample import GradSampleModule
+
+    if type(m) in GradSampleModule.GRAD_SAMPLERS:
+        return f"use clipping 'ghost' or 'flat' (Opacus has per-sample gradients of {type(m).__name__})"
+    return (f"use clipping 'ghost' or 'flat' (Opacus computes per-sample gradients of {type(m).__name__} with "
+            f"torch.func, which needs a forward pass free of in-place changes and batch statistics)")
 
 
 def _patches(a: torch.Tensor, m: nn.Conv2d) -> torch.Tensor:

@@ -27,6 +27,11 @@ float32 ``[N, C, H, W]``; labels int64 ``[N]``. A subset of ``size`` examples is
 sorted first ``size`` entries of a permutation drawn by ``numpy.random.default_rng(seed)``
 (:func:`subset_indices`), so the same (split, size, seed) always gives the same examples.
 
+A user's own dataset is named by an import path ``"package.module:loader"`` instead of a name
+(:mod:`dpmech.user_code`, docs/own_model.md): ``loader()`` returns ``(x_train, y_train, x_test,
+y_test)`` already in [-1, 1]; it is called once per process, and every function here takes it
+where it takes a name (subsets, :func:`input_shape`, :func:`num_classes`, :func:`load_held_out`).
+
 Bad arguments raise ``ValueError`` naming the parameter; missing data raises
 :class:`DatasetNotAvailable` (a ``RuntimeError``).
 """
@@ -59,14 +64,49 @@ def data_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "dpsweep"
 
 
+def is_custom(dataset) -> bool:
+    """Whether ``dataset`` names a user's loader (an import path) rather than a built-in dataset."""
+    from dpmech.user_code import is_import_path
+
+    return is_import_path(dataset)
+
+
+def check_dataset(dataset) -> str:
+    """``dataset`` if it is a name of :data:`DATASETS` or an import path ``package.module:loader``."""
+    if is_custom(dataset):
+        return dataset
+    if dataset not in DATASETS:
+        raise ValueError(f"dataset must be one of {', '.join(map(repr, DATASETS))} or an import path "
+                         f"'package.module:loader', got {dataset!r}")
+    return dataset
+
+
 def input_shape(dataset: str) -> tuple[int, int, int]:
-    """``(C, H, W)`` of one image of ``dataset``."""
-    return _SHAPES[v.choice("dataset", dataset, DATASETS)]
+    """``(C, H, W)`` of one image of ``dataset`` (a loader's: from the tensors it returned)."""
+    if is_custom(dataset):
+        from dpmech.user_code import dataset_shape
+
+        return dataset_shape(dataset)
+    return _SHAPES[check_dataset(dataset)]
 
 
 def num_classes(dataset: str) -> int:
-    """Number of labels of ``dataset`` (labels are ``0 .. num_classes - 1``)."""
-    return _NUM_CLASSES[v.choice("dataset", dataset, DATASETS)]
+    """Number of labels of ``dataset`` (labels are ``0 .. num_classes - 1``; a loader's: the
+    largest label of either split + 1)."""
+    if is_custom(dataset):
+        from dpmech.user_code import dataset_classes
+
+        return dataset_classes(dataset)
+    return _NUM_CLASSES[check_dataset(dataset)]
+
+
+def train_split_size(dataset: str) -> int:
+    """Number of examples of the whole training split of ``dataset``."""
+    if is_custom(dataset):
+        from dpmech.user_code import load_dataset as load_user
+
+        return int(load_user(dataset)[0].shape[0])
+    return {"mnist": 60000, "fashion_mnist": 60000, "cifar10": 50000}[check_dataset(dataset)]
 
 
 def subset_indices(total: int, size: int | None, seed: int, *, name: str = "size") -> np.ndarray:
@@ -158,16 +198,25 @@ def _to_tensors(ds, dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+def _split(dataset: str, split: str, root, download: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole ``split`` of ``dataset`` as (images, labels): a loader's tensors, or torchvision's."""
+    if is_custom(dataset):
+        from dpmech.user_code import load_dataset as load_user
+
+        x, y, xt, yt = load_user(dataset)
+        return (x, y) if split == "train" else (xt, yt)
+    return _to_tensors(_torchvision_dataset(dataset, _root(root), split == "train", download), dataset)
+
+
 def _load(dataset, split, size, seed, root, download, size_name) -> TensorDataset:
-    v.choice("dataset", dataset, DATASETS)
+    check_dataset(dataset)
     v.choice("split", split, SPLITS)
     if size is not None:
         v.positive_int(size_name, size)
     v.positive_int("seed", seed, minimum=0)
     if not isinstance(download, bool):
         raise ValueError(f"download must be True or False, got {download!r}")
-    path = _root(root)
-    x, y = _to_tensors(_torchvision_dataset(dataset, path, split == "train", download), dataset)
+    x, y = _split(dataset, split, root, download)
     if size is None:
         return TensorDataset(x, y)
     idx = torch.from_numpy(subset_indices(x.shape[0], size, seed, name=size_name))
@@ -177,9 +226,14 @@ def _load(dataset, split, size, seed, root, download, size_name) -> TensorDatase
 def ensure_available(dataset: str, *, root: str | Path | None = None) -> None:
     """Make sure ``dataset``'s files are on disk (fetching them if needed), without loading them.
 
-    Sweep drivers call this once before trials start, so parallel trials never race to fetch.
+    Sweep drivers call this once before trials start, so parallel trials never race to fetch. A
+    loader (import path) is called and its output checked (once per process).
     """
-    v.choice("dataset", dataset, DATASETS)
+    if is_custom(check_dataset(dataset)):
+        from dpmech.user_code import load_dataset as load_user
+
+        load_user(dataset)
+        return
     root = _root(root)
     if dataset == "mnist":
         from dpmech import mnist_offline
@@ -214,7 +268,7 @@ def load_splits(dataset: str, *, train_size: int | None = None, test_size: int |
                 root: str | os.PathLike | None = None, download: bool = True) -> tuple[TensorDataset, TensorDataset]:
     """``(train, test)`` of ``dataset``: the train subset drawn with ``seed``, the test subset
     with ``seed + 1`` (see :func:`load_dataset` for the arguments)."""
-    v.choice("dataset", dataset, DATASETS)
+    check_dataset(dataset)
     for name, value in (("train_size", train_size), ("test_size", test_size)):
         if value is not None:
             v.positive_int(name, value)
@@ -228,12 +282,14 @@ def load_held_out(dataset: str, *, train_size: int | None, test_size: int | None
                   root: str | os.PathLike | None = None) -> TensorDataset:
     """Examples in neither the training subset nor the evaluation subset of ``load_splits`` with
     the same arguments (the training split's remainder, else the test split's): the pool that
-    privacy-audit canaries are drawn from."""
-    path = _root(root)
+    privacy-audit canaries are drawn from. A loader's dataset (import path) is treated the same way:
+    its training tensors not selected by ``train_size``, else its test tensors not selected by
+    ``test_size``."""
+    check_dataset(dataset)
     for split, size, sub_seed in (("train", train_size, seed), ("test", test_size, seed + 1)):
         if size is None:
             continue
-        x, y = _to_tensors(_torchvision_dataset(dataset, path, split == "train", True), dataset)
+        x, y = _split(dataset, split, root, True)
         keep = np.ones(x.shape[0], dtype=bool)
         keep[subset_indices(x.shape[0], size, sub_seed)] = False
         if keep.any():

@@ -28,6 +28,11 @@ through ``transforms.ToTensor()`` alone, i.e. in [0, 1] (ftramer/Handcrafted-DP 
 ``get_data``: no ``Normalize`` for MNIST/FashionMNIST). ``input_range="unit"`` puts a fixed
 (parameter-free) map x -> (x + 1) / 2 in front of the network so it sees their inputs; ``"pm1"``
 (default) feeds [-1, 1] unchanged. The map has no parameters, so clipping and privacy are unchanged.
+
+Your own network: ``name`` may be an import path ``"package.module:factory"``, called as
+``factory(input_shape=(C, H, W), num_classes=K)`` (:mod:`dpmech.user_code`, docs/own_model.md).
+A dataset given as a loader's import path gets ``pixeldp_cnn`` at its image shape, and ``tb_cnn``
+/ ``tb_cnn_gn`` when its images are 28 x 28 (the MNIST CNN) or 32 x 32 (the CIFAR-10 CNN).
 """
 
 from __future__ import annotations
@@ -99,11 +104,37 @@ def build_dp_model(name: str, dataset: str, seed: int = 0, input_range: str = "p
     """The network ``name`` (one of :data:`DP_MODELS`) for ``dataset``, initialised from ``seed``
     (PyTorch's default initialisation) without touching the global RNG; ``input_range="unit"`` puts
     :class:`InputAffine` ([-1, 1] -> [0, 1], T&B's input range) in front of it."""
-    v.choice("model", name, DP_MODELS)
-    v.choice("dataset", dataset, ("mnist", "fashion_mnist", "cifar10"))
+    from dpmech.data import check_dataset, input_shape, is_custom, num_classes
+    from dpmech.user_code import build_model, is_import_path
+
+    check_dataset(dataset)
     v.choice("input_range", input_range, INPUT_RANGES)
-    net = _build(name, dataset, seed)
+    if is_import_path(name):
+        net = build_model(name, input_shape(dataset), num_classes(dataset), seed)
+    elif is_custom(dataset):
+        v.choice("model", name, DP_MODELS)
+        net = _build_for_shape(name, input_shape(dataset), num_classes(dataset), seed)
+    else:
+        v.choice("model", name, DP_MODELS)
+        net = _build(name, dataset, seed)
     return net if input_range == "pm1" else nn.Sequential(InputAffine(0.5, 0.5), net)
+
+
+def _build_for_shape(name: str, shape: tuple[int, int, int], k: int, seed: int) -> nn.Module:
+    """A built-in network for a loader's images of ``shape`` and ``k`` classes."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if name == "pixeldp_cnn":
+            from dpmech.models import PixelDPCNN
+
+            return PixelDPCNN(None, noise_after=0, input_shape=shape, num_classes=k, seed=seed)
+        groups = 8 if name == "tb_cnn_gn" else None
+        if shape[1:] == (28, 28):
+            return TBMnistCNN(shape[0], k, groups)
+        if shape[1:] == (32, 32):
+            return TBCifarCNN(shape[0], k, groups)
+    raise ValueError(f"model: {name!r} is defined for 28 x 28 and 32 x 32 images, the dataset's are "
+                     f"{shape[1]} x {shape[2]}; use pixeldp_cnn or your own model ('package.module:factory')")
 
 
 def _build(name: str, dataset: str, seed: int) -> nn.Module:

@@ -36,6 +36,7 @@ Engine API (for DP-SGD itself and for mechanisms built on it, e.g. SecureSGD)::
     cfg = DPSGDConfig(epsilon=8.0, delta=1e-5, max_grad_norm=1.0, batch_size=256, epochs=5,
                       lr=0.1, optimizer="sgd", momentum=0.9, clipping="ghost", seed=0)
     trainer = DPSGDTrainer(model, x_train, y_train, cfg, device="cpu")   # any nn.Module classifier
+    trainer = DPSGDTrainer(model, dataset, config=cfg)   # or a map-style Dataset / DataLoader (below)
     # (optional plan_size=n: plan q = batch_size / n and the steps from n instead of len(x_train))
     trainer.train_epoch()            # -> {"train_loss", "train_acc", "batch_size_mean"}
     trainer.train_step()             # one Poisson-sampled clipped noisy step -> (batch size, loss sum, correct)
@@ -52,6 +53,15 @@ clipping and no noise (ledger records sigma 0, so epsilon is reported as inf).
 ``noise_augmentation_sigma`` > 0 adds N(0, s^2) noise to every training input (Cohen et al. 2019's
 training for randomized smoothing), drawn from a third explicit generator. Inputs are seen by the
 model only through the loss, so the DP guarantee is unchanged (post-processing of the sample).
+
+Training data: in-memory tensors ``x_train [N, ...]``, ``y_train [N]`` (the fast path: a batch is
+one indexing), or a **map-style dataset** in place of ``x_train`` (``y_train`` omitted): anything
+with ``len`` and ``__getitem__(i) -> (x_i, y_i)``, e.g. a ``torch.utils.data.Dataset`` that reads
+images from disk; a ``DataLoader`` stands for its ``dataset`` and ``collate_fn`` (its sampler,
+shuffling and batch size are not used). The privacy reading is the same: N = ``len(dataset)``,
+and each step draws its Poisson sample over the indices 0 .. N-1 (each independently with
+probability q) and fetches exactly those examples, collated by ``default_collate``. An iterable
+dataset has no random access and is refused: Poisson sampling cannot be done on a stream.
 
 Subclasses (SecureSGD) may override :meth:`forward_train` (the logits used in the loss) and extend
 :meth:`state_dict`/:meth:`load_state_dict` with their own state (call ``super()``).
@@ -79,8 +89,22 @@ OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine", "step")
 ACCOUNTANTS = ("rdp", "pld")
 
+
+
+class _FullTrainSizes(dict):
+    """Training-set sizes of the full splits; a dataset given as a loader's import path is looked
+    up on first use (its loader is called once per process, :mod:`dpmech.user_code`)."""
+
+    def __missing__(self, dataset):
+        from dpmech.data import is_custom, train_split_size
+
+        if not is_custom(dataset):
+            raise KeyError(dataset)
+        return train_split_size(dataset)
+
+
 # Training-set sizes of the full splits (for planning a trial from its config alone).
-FULL_TRAIN_SIZES = {"mnist": 60000, "fashion_mnist": 60000, "cifar10": 50000}
+FULL_TRAIN_SIZES = _FullTrainSizes({"mnist": 60000, "fashion_mnist": 60000, "cifar10": 50000})
 
 # Independent streams of the trial seed: Poisson sampling, gradient noise, input augmentation.
 _SAMPLING, _NOISE, _AUGMENT = 1, 2, 3
@@ -216,22 +240,52 @@ def make_private_compatible(model: nn.Module) -> nn.Module:
     return model
 
 
-class DPSGDTrainer:
-    """DP-SGD on in-memory tensors (any ``nn.Module`` classifier; see the module docstring)."""
+def _map_style(source):
+    """(dataset, collate_fn) of a map-style dataset or a DataLoader over one; a ValueError otherwise."""
+    from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-    def __init__(self, model: nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, config: DPSGDConfig, *,
-                 device: str | torch.device = "cpu", plan_size: int | None = None):
+    collate = default_collate
+    if isinstance(source, DataLoader):
+        collate = source.collate_fn or default_collate
+        source = source.dataset
+    if isinstance(source, IterableDataset) or not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
+        raise ValueError(f"x_train must be a tensor [N, ...] or a map-style dataset (len and __getitem__: Poisson "
+                         f"sampling picks examples by index), got {type(source).__name__}")
+    if len(source) == 0:
+        raise ValueError("x_train: the dataset is empty")
+    return source, collate
+
+
+class DPSGDTrainer:
+    """DP-SGD on in-memory tensors or a map-style dataset (any ``nn.Module`` classifier; see the
+    module docstring)."""
+
+    def __init__(self, model: nn.Module, x_train, y_train: torch.Tensor | None = None,
+                 config: DPSGDConfig | None = None, *, device: str | torch.device = "cpu",
+                 plan_size: int | None = None):
+        if not isinstance(config, DPSGDConfig):
+            raise ValueError(f"config must be a DPSGDConfig, got {type(config).__name__}")
         config.validate()
         self.config = config
         self.device = torch.device(device)
-        if x_train.dim() < 2 or x_train.shape[0] != y_train.shape[0]:
-            raise ValueError(f"x_train must be [N, ...] with N labels, got {tuple(x_train.shape)} and {tuple(y_train.shape)}")
-        self.x = x_train.to(self.device)
-        self.y = y_train.to(self.device)
+        self.dataset = self.collate = None
+        if torch.is_tensor(x_train):
+            if not torch.is_tensor(y_train) or x_train.dim() < 2 or x_train.shape[0] != y_train.shape[0]:
+                raise ValueError(f"x_train must be [N, ...] with N labels, got {tuple(x_train.shape)} and "
+                                 f"{tuple(y_train.shape) if torch.is_tensor(y_train) else type(y_train).__name__}")
+            self.x = x_train.to(self.device)
+            self.y = y_train.to(self.device)
+            n = x_train.shape[0]
+        else:
+            if y_train is not None:
+                raise ValueError("y_train: omit it when x_train is a dataset (its items are (x, y) pairs)")
+            self.dataset, self.collate = _map_style(x_train)
+            self.x = self.y = None
+            n = len(self.dataset)
         # q = batch_size / plan_size and the steps are planned from plan_size (default: the N examples
         # given). A trial whose audit adds canaries plans from its configured train_size, so its
         # ledger equals the event planned from the config; the extra examples are sampled at the same q.
-        self.plan = plan(config, int(plan_size if plan_size is not None else x_train.shape[0]))
+        self.plan = plan(config, int(plan_size if plan_size is not None else n))
         self.model = make_private_compatible(model).to(self.device)
         self.ledger = PrivacyLedger()
         self.epoch = 0
@@ -308,8 +362,21 @@ class DPSGDTrainer:
     # -------------------------------------------------------------- one step
     def poisson_batch(self) -> torch.Tensor:
         """Indices of one Poisson sample: each example independently with probability q."""
-        mask = torch.rand(self.x.shape[0], generator=self.sample_gen) < self.plan.sampling_rate
+        mask = torch.rand(self.num_examples, generator=self.sample_gen) < self.plan.sampling_rate
         return torch.nonzero(mask, as_tuple=False).squeeze(1).to(self.device)
+
+    @property
+    def num_examples(self) -> int:
+        """N: the training examples Poisson sampling draws from (tensor rows, or ``len(dataset)``)."""
+        return int(self.x.shape[0]) if self.dataset is None else len(self.dataset)
+
+    def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The examples ``idx`` as (images, labels) on the device: an indexing of the tensors, or the
+        dataset's items fetched one by one and collated."""
+        if self.dataset is None:
+            return self.x[idx], self.y[idx]
+        xb, yb = self.collate([self.dataset[i] for i in idx.tolist()])[:2]
+        return xb.to(self.device, non_blocking=True), torch.as_tensor(yb, dtype=torch.int64).to(self.device)
 
     def augment(self, xb: torch.Tensor) -> torch.Tensor:
         s = self.config.noise_augmentation_sigma
@@ -382,7 +449,8 @@ class DPSGDTrainer:
             loss_sum, correct = 0.0, 0
         else:
             self._set_lr()
-            xb, yb = self.augment(self.x[idx]), self.y[idx]
+            xb, yb = self.batch(idx)
+            xb = self.augment(xb)
             self.optimizer.zero_grad(set_to_none=True)
             if self.gsm is not None:
                 self.gsm.enable_hooks()
@@ -498,7 +566,8 @@ class DPSGDTrainer:
 
 
 def build_dpsgd_model(dataset: str, seed: int = 0, model: str = "pixeldp_cnn", input_range: str = "pm1") -> nn.Module:
-    """The network ``model`` of :mod:`dpmech.dp_models` for ``dataset``: ``pixeldp_cnn`` (default:
+    """The network ``model`` of :mod:`dpmech.dp_models` for ``dataset`` (a name or a loader's import
+    path), or a user's ``"package.module:factory"`` (docs/own_model.md): ``pixeldp_cnn`` (default:
     the PixelDP networks without their noise layer, so DP-SGD is compared on the same architecture;
     for CIFAR-10 the wide ResNet with BatchNorm replaced by GroupNorm, ``ModuleValidator.fix``),
     ``tb_cnn`` (Tramer & Boneh 2021's tanh CNN) or ``tb_cnn_gn`` (with GroupNorm); ``input_range``

@@ -406,12 +406,21 @@ class LabelDPConfig:
     prior_mode: str = "denoised"      # lp2st only: "denoised" (stage 1's RR channel inverted) or "softmax"
     width: int = 16                   # mixup_sgd only: RecipeCNN's channels (width, 2 width)
     hidden: int = 128                 # mixup_sgd only: RecipeCNN's hidden units
+    model: str | None = None          # None: the recipe's CNN; or a factory's import path (docs/own_model.md)
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
-        v.choice("dataset", self.dataset, DATASETS)
+        from dpmech.data import check_dataset
+        from dpmech.user_code import is_import_path
+
+        check_dataset(self.dataset)
+        if self.model is not None and not is_import_path(self.model):
+            raise ValueError(f"model must be None (the recipe's CNN) or an import path 'package.module:factory', "
+                             f"got {self.model!r}")
+        if self.model is not None and (self.width, self.hidden) != (LabelDPConfig.width, LabelDPConfig.hidden):
+            raise ValueError("width and hidden size the recipe's CNN; they do not apply to a model import path")
         v.choice("task", self.task, TASKS)
         v.choice("mechanism", self.mechanism, MECHANISMS)
         v.choice("postprocess", self.postprocess, POSTPROCESS)
@@ -510,13 +519,17 @@ class LabelDPTrainer:
         out_dim = self.num_classes if config.task == "classification" else 1
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(config.seed, 0))
-            if config.recipe == "mixup_sgd":
+            if config.model is not None:
+                from dpmech.user_code import build_model
+
+                model = build_model(config.model, tuple(x_train.shape[1:]), out_dim, derive_seed(config.seed, 0))
+            elif config.recipe == "mixup_sgd":
                 from dpmech.label_dp_recipe import RecipeCNN
 
                 model = RecipeCNN(tuple(x_train.shape[1:]), out_dim, width=config.width, hidden=config.hidden)
             else:
                 model = LabelDPCNN(tuple(x_train.shape[1:]), out_dim)
-        if out_dim == 1:  # start the regression output at the middle of [0, K-1] (public, not data)
+        if out_dim == 1 and config.model is None:  # start the regression output at the middle of [0, K-1] (public)
             with torch.no_grad():
                 model.head[-1].bias.fill_((self.num_classes - 1) / 2)
         self.model = model.to(self.device)

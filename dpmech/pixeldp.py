@@ -17,11 +17,24 @@ import torch.nn.functional as F
 
 from dpmech import _validate as v
 from dpmech.mechanisms import gaussian_delta
-from dpmech.models import PixelDPNet, build_pixeldp_model
+from dpmech.models import PixelDPCNN, PixelDPNet, build_pixeldp_model
 from dpmech.noise_layer import NORMS, pixeldp_noise_scale
 from dpmech._validate import matching_checkpoint
 
 OPTIMIZERS = ("adam", "sgd")
+
+
+def pixeldp_network(dataset: str, noise_scale: float | None, *, norm: str = "l2", noise_after: int = 1,
+                    seed: int = 0) -> PixelDPNet:
+    """The PixelDP network of ``dataset`` (:func:`dpmech.models.build_pixeldp_model`); for a user's
+    loader (import path, docs/own_model.md) the PixelDP CNN at the loader's image shape and number
+    of classes (its first convolution's sensitivity is bounded for any input shape)."""
+    from dpmech.data import input_shape, is_custom, num_classes
+
+    if is_custom(dataset):
+        return PixelDPCNN(noise_scale, norm=norm, noise_after=noise_after, input_shape=input_shape(dataset),
+                          num_classes=num_classes(dataset), seed=seed)
+    return build_pixeldp_model(dataset, noise_scale, norm=norm, noise_after=noise_after, seed=seed)
 
 
 @dataclass
@@ -47,7 +60,9 @@ class PixelDPConfig:
         self.validate()
 
     def validate(self) -> None:
-        v.choice("dataset", self.dataset, ("mnist", "fashion_mnist", "cifar10"))
+        from dpmech.data import check_dataset
+
+        check_dataset(self.dataset)
         v.positive("epsilon", self.epsilon)
         v.positive("attack_bound", self.attack_bound)
         v.choice("norm", self.norm, NORMS)
@@ -111,7 +126,7 @@ class PixelDPTrainer:
         self.y = y_train.to(self.device)
         torch.manual_seed(config.seed)  # parameter initialisation
         scale = config.noise_scale if with_noise else None
-        self.model: PixelDPNet = build_pixeldp_model(
+        self.model: PixelDPNet = pixeldp_network(
             config.dataset, scale, norm=config.norm, noise_after=config.noise_after, seed=config.seed + 1
         ).to(self.device)
         if tuple(self.model.input_shape) != tuple(x_train.shape[1:]):

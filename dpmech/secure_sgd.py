@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from dpmech import _validate as v
 from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer
 from dpmech.hgm import DELTA_MAX, MECHANISMS, mechanism_sigma
-from dpmech.models import PixelDPNet, build_pixeldp_model
+from dpmech.models import PixelDPNet
 from dpmech.noise_layer import BoundedConv2d, NoiseLayer
 from dpmech.pixeldp import guarantee_epsilon
 from dpmech._validate import matching_checkpoint
@@ -104,7 +104,9 @@ def build_secure_sgd_model(dataset: str, *, mechanism: str, epsilon: float, delt
     """
     v.choice("mechanism", mechanism, MECHANISMS)
     scale = robustness_noise_scale(mechanism, epsilon, delta, attack_bound, 1.0)
-    model = build_pixeldp_model(dataset, scale, norm="l2", noise_after=noise_after, seed=seed)
+    from dpmech.pixeldp import pixeldp_network
+
+    model = pixeldp_network(dataset, scale, norm="l2", noise_after=noise_after, seed=seed)
     model.noise = HeterogeneousNoiseLayer(scale, _feature_shape(model), seed=seed)
     for m in model.modules():
         if isinstance(m, nn.ReLU):
@@ -185,7 +187,9 @@ class SecureSGDConfig:
         self.validate()
 
     def validate(self) -> None:
-        v.choice("dataset", self.dataset, ("mnist", "fashion_mnist", "cifar10"))
+        from dpmech.data import check_dataset
+
+        check_dataset(self.dataset)
         v.choice("mechanism", self.mechanism, MECHANISMS)
         v.positive("robustness_epsilon", self.robustness_epsilon)
         v.open_unit("robustness_delta", self.robustness_delta)

@@ -8,6 +8,7 @@ work, and errors name the key.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -20,7 +21,9 @@ class CommonConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    dataset: Literal["mnist", "fashion_mnist", "cifar10"] = Field("mnist", description="dataset, inputs scaled to [-1, 1]")
+    dataset: Literal["mnist", "fashion_mnist", "cifar10"] | str = Field(
+        "mnist", description="dataset, inputs scaled to [-1, 1]: a name, or your loader's import path "
+        "'package.module:loader' returning (x_train, y_train, x_test, y_test) (docs/own_model.md)")
     train_size: int | None = Field(None, gt=0, description="training images (deterministic subset; null = all)")
     test_size: int | None = Field(1000, gt=0, description="test images used for evaluation (null = all)")
     data_seed: int = Field(0, ge=0, description="seed of the data subsets")
@@ -63,6 +66,33 @@ class CommonConfig(BaseModel):
     privacy_delta_key: ClassVar[str | None] = None
     # The largest delta accepted for such a guarantee (above it the guarantee says little)
     MAX_PRIVACY_DELTA: ClassVar[float] = 0.1
+    # True for mechanisms that take a user's dataset loader ('package.module:loader') as dataset
+    accepts_custom_dataset: ClassVar[bool] = False
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset(cls, value: str):
+        """A named dataset, or (where the mechanism takes one) a loader's import path, imported,
+        called once per process and checked (dpmech.user_code.load_dataset)."""
+        names = ("mnist", "fashion_mnist", "cifar10")
+        if value in names:
+            return value
+        from dpmech.user_code import is_import_path
+
+        if not is_import_path(value):
+            raise ValueError(f"must be one of {', '.join(map(repr, names))} or an import path "
+                             f"'package.module:loader', got {value!r}")
+        if not cls.accepts_custom_dataset:
+            raise ValueError(f"this mechanism builds its networks per named dataset: one of "
+                             f"{', '.join(map(repr, names))} (a loader such as {value!r} is taken by dpsgd, "
+                             f"dpal_sound, label_dp, pixeldp and secure_sgd)")
+        from dpmech.user_code import load_dataset
+
+        try:
+            load_dataset(value)
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("dataset: ")) from None
+        return value
 
     @field_validator("attack_labels", mode="before")
     @classmethod
@@ -147,8 +177,70 @@ class CommonConfig(BaseModel):
         return value
 
 
+def check_user_model(path: str, info, *, bk: bool = False, trainable: str = "", outputs: int | None = None) -> None:
+    """Validation of a ``model`` import path against the trial's dataset (``info.data``): importable,
+    builds an ``nn.Module`` for the dataset's shape and classes, one forward pass; with ``bk``,
+    every parameterised layer is one book-keeping clipping handles (dpmech.clipping). ``outputs``
+    overrides the number of classes (1 for a regression head). Cached per (path, dataset, bk,
+    outputs) so validating many trials builds the model once."""
+    dataset = info.data.get("dataset")
+    if dataset is None:        # the dataset itself failed validation: that error is reported
+        return
+    problem = _user_model_problem(path, dataset, bk, trainable, outputs)
+    if problem:
+        raise ValueError(problem)
+
+
+@functools.lru_cache(maxsize=64)
+def _user_model_problem(path: str, dataset: str, bk: bool, trainable: str, outputs: int | None) -> str | None:
+    from dpmech.data import input_shape, num_classes
+    from dpmech.user_code import build_model
+
+    try:
+        model = build_model(path, input_shape(dataset), outputs or num_classes(dataset), 0)
+        if bk:
+            from dpmech.clipping import check_model
+
+            check_model(model)
+    except ValueError as exc:
+        msg = str(exc).removeprefix("model: ")
+        if bk and msg.startswith("clipping: "):
+            msg = msg.removeprefix("clipping: ")
+            msg = f"model {path!r}: {msg}"
+            if trainable:
+                msg = f"{trainable} clips with 'bk' only, {msg}".replace("; use clipping 'ghost' or 'flat'",
+                                                                            "; train it with dpsgd and clipping 'ghost' or 'flat'")
+        return msg
+    return None
+
+
+def own_network_field():
+    """The ``model`` key of a mechanism whose network is its own (PixelDP's sensitivity-bounded
+    first layer): only null, so that a model import path is refused with the reason (see
+    :func:`refuse_model`) instead of "unknown key"; never logged (excluded from the dump)."""
+    return Field(None, exclude=True, description="not taken: the network is PixelDP's, its first layer's sensitivity "
+                                                 "bounded by construction (an arbitrary model's cannot be); train your "
+                                                 "own model with dpsgd or dpal_sound")
+
+
+def refuse_model(value, trainable: str):
+    if value is not None:
+        raise ValueError(f"{trainable} trains its own network, whose first layer's sensitivity is bounded by "
+                         f"construction; an arbitrary model's cannot be bounded, so {value!r} is refused (train it "
+                         f"with dpsgd or dpal_sound; a dataset loader is accepted here)")
+    return value
+
+
 class PixelDPTrialConfig(CommonConfig):
     """PixelDP (Lecuyer et al. 2018): a noise layer calibrated to (epsilon, delta, L)."""
+
+    accepts_custom_dataset: ClassVar[bool] = True
+    model: None = own_network_field()
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _no_model(cls, value):
+        return refuse_model(value, "pixeldp")
 
     # epsilon/delta are robustness parameters of the noise layer, not a training-data guarantee:
     # privacy_delta_key stays None, the delta rules do not apply

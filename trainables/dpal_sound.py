@@ -18,7 +18,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from trainables.config import CommonConfig
 
@@ -40,8 +40,10 @@ class DPALSoundTrialConfig(CommonConfig):
     epochs: int = Field(8, gt=0, description="training epochs of ceil(train_size / batch_size) steps")
     lr: float = Field(0.5, gt=0, allow_inf_nan=False, description="learning rate")
     lr_schedule: Literal["constant", "cosine", "step"] = Field("constant", description="learning-rate schedule (as dpsgd)")
-    model: Literal["tb_cnn_gn", "tb_cnn", "pixeldp_cnn"] = Field(
-        "tb_cnn_gn", description="network (dpmech.dp_models); tb_cnn_gn = Tramer & Boneh's tanh CNN with GroupNorm")
+    model: Literal["tb_cnn_gn", "tb_cnn", "pixeldp_cnn"] | str = Field(
+        "tb_cnn_gn", description="network (dpmech.dp_models); tb_cnn_gn = Tramer & Boneh's tanh CNN with GroupNorm; or "
+                                 "your factory's import path 'package.module:factory' (docs/own_model.md; its layers "
+                                 "must be ones book-keeping clipping handles)")
     optimizer: Literal["sgd", "adam"] = Field("sgd", description="optimizer applied to the noisy gradient")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="L2 weight decay")
@@ -75,6 +77,15 @@ class DPALSoundTrialConfig(CommonConfig):
     protects_training_examples: ClassVar[bool] = True
     loss_is_cross_entropy: ClassVar[bool] = False   # train_loss is the mean of (CE + xi CE_adv) / (1 + xi) under noise
     privacy_delta_key: ClassVar[str | None] = "delta"
+    accepts_custom_dataset: ClassVar[bool] = True
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str, info):
+        """A built-in network, or a factory's import path whose network bk clipping handles."""
+        from trainables.dpsgd import model_field
+
+        return model_field(value, info, bk=info.data.get("epsilon") is not None, trainable="dpal_sound")
 
     @model_validator(mode="after")
     def _mechanism_rules(self):

@@ -19,9 +19,25 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from trainables.config import CommonConfig
+from trainables.config import CommonConfig, check_user_model
+
+BUILTIN_MODELS = ("pixeldp_cnn", "tb_cnn", "tb_cnn_gn")
+
+
+def model_field(value: str, info, *, bk: bool = False, trainable: str = "") -> str:
+    """The ``model`` key: one of :data:`BUILTIN_MODELS`, or an import path 'package.module:factory'
+    whose factory builds a working network for the trial's dataset (dpmech.user_code)."""
+    if value in BUILTIN_MODELS:
+        return value
+    from dpmech.user_code import is_import_path
+
+    if not is_import_path(value):
+        raise ValueError(f"must be one of {', '.join(map(repr, BUILTIN_MODELS))} or an import path "
+                         f"'package.module:factory', got {value!r}")
+    check_user_model(value, info, bk=bk, trainable=trainable)
+    return value
 
 # The registry imports this module to validate specs without importing torch: dpmech and the trial
 # runtime are imported inside the functions, and ``DPSGDMechanism`` is built on first use.
@@ -42,10 +58,11 @@ class DPSGDTrialConfig(CommonConfig):
     lr_schedule: Literal["constant", "cosine", "step"] = Field(
         "constant", description="learning-rate schedule over the planned steps: constant; cosine (to 0); "
                                 "step (x0.1 after 1/2 and after 3/4 of the steps)")
-    model: Literal["pixeldp_cnn", "tb_cnn", "tb_cnn_gn"] = Field(
+    model: Literal["pixeldp_cnn", "tb_cnn", "tb_cnn_gn"] | str = Field(
         "pixeldp_cnn", description="network (dpmech.dp_models): pixeldp_cnn = the PixelDP network without its noise "
                                    "layer (the DPAL paper's baseline comparison); tb_cnn = Tramer & Boneh 2021's tanh "
-                                   "CNN (the published DP-SGD recipes); tb_cnn_gn = tb_cnn with GroupNorm")
+                                   "CNN (the published DP-SGD recipes); tb_cnn_gn = tb_cnn with GroupNorm; or your "
+                                   "factory's import path 'package.module:factory' (docs/own_model.md)")
     input_range: Literal["pm1", "unit"] = Field(
         "pm1", description="input range the network sees: pm1 = the project's [-1, 1]; unit = [0, 1] through a fixed "
                            "map (Tramer & Boneh's MNIST inputs, ToTensor without Normalize); no parameters, no privacy "
@@ -54,7 +71,7 @@ class DPSGDTrialConfig(CommonConfig):
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="L2 weight decay")
     clipping: Literal["bk", "ghost", "flat"] = Field(
-        "bk", description="bk: book-keeping clipping, one backward pass (dpmech.clipping; the fastest); "
+        "bk", validate_default=True, description="bk: book-keeping clipping, one backward pass (dpmech.clipping; the fastest); "
                           "ghost: Opacus ghost clipping (two backward passes); flat: per-example gradients by "
                           "Opacus hooks, then flat clipping (slowest); all three give the same clipped sum")
     noise_augmentation_sigma: float = Field(
@@ -66,6 +83,22 @@ class DPSGDTrialConfig(CommonConfig):
     protects_training_examples: ClassVar[bool] = True
     loss_is_cross_entropy: ClassVar[bool] = True
     privacy_delta_key: ClassVar[str | None] = "delta"
+    accepts_custom_dataset: ClassVar[bool] = True
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value: str, info):
+        """A built-in network, or a factory's import path checked against the dataset."""
+        return model_field(value, info)
+
+    @field_validator("clipping")
+    @classmethod
+    def _clipping(cls, value: str, info):
+        """clipping 'bk' of a user's model (epsilon set): every parameterised layer must be one bk handles."""
+        model, private = info.data.get("model"), info.data.get("epsilon", 1.0) is not None
+        if value == "bk" and private and model is not None and model not in BUILTIN_MODELS:
+            check_user_model(model, info, bk=True)
+        return value
 
     @model_validator(mode="after")
     def _mechanism_rules(self):

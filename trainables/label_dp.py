@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Annotated, ClassVar, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from trainables.config import CommonConfig
+from trainables.config import CommonConfig, check_user_model
 from trainables.runtime import TrainerMechanism, run_trial
 
 
@@ -60,11 +60,30 @@ class LabelDPTrialConfig(CommonConfig):
         "(denoised) or as is (softmax)")
     width: int = Field(16, gt=0, description="recipe mixup_sgd: the CNN's channels (width, then 2 width)")
     hidden: int = Field(128, gt=0, description="recipe mixup_sgd: the CNN's hidden units")
+    model: str | None = Field(
+        None, description="null: the recipe's network; or your factory's import path 'package.module:factory' "
+                          "(docs/own_model.md; task regression calls it with num_classes=1), trained by the recipe's "
+                          "optimizer and schedule")
     certify_images: int = Field(0, ge=0, le=0, description="label DP has no certificate: must be 0")
 
     # Label DP protects labels only: a neighbouring dataset that changes an image is not covered,
     # so the membership audit (which inserts whole examples) has no claim to test.
     protects_training_examples: ClassVar[bool] = False
+    accepts_custom_dataset: ClassVar[bool] = True
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, value, info):
+        """null, or a factory's import path checked against the dataset (one output for regression)."""
+        if value is None:
+            return value
+        from dpmech.user_code import is_import_path
+
+        if not is_import_path(value):
+            raise ValueError(f"must be null (the recipe's network) or an import path 'package.module:factory', "
+                             f"got {value!r}")
+        check_user_model(value, info, outputs=1 if info.data.get("task") == "regression" else None)
+        return value
 
     @model_validator(mode="after")
     def _mechanism_rules(self):
@@ -86,7 +105,7 @@ def label_dp_config(cfg: LabelDPTrialConfig):
                          seed=cfg.seed, recipe=cfg.recipe, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                          warmup_epochs=cfg.warmup_epochs, mixup_alpha=cfg.mixup_alpha,
                          stage1_fraction=cfg.stage1_fraction, stage1_epochs=cfg.stage1_epochs,
-                         prior_mode=cfg.prior_mode, width=cfg.width, hidden=cfg.hidden)
+                         prior_mode=cfg.prior_mode, width=cfg.width, hidden=cfg.hidden, model=cfg.model)
 
 
 class LabelDPMechanism(TrainerMechanism):

@@ -18,9 +18,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from trainables.config import CommonConfig
+from trainables.config import CommonConfig, own_network_field, refuse_model
 
 # Imported by the registry to validate specs: dpmech and the runtime are imported lazily.
 
@@ -57,6 +57,13 @@ class SecureSGDTrialConfig(CommonConfig):
     loss_is_cross_entropy: ClassVar[bool] = True
     privacy_delta_key: ClassVar[str | None] = "delta"  # robustness_delta is a robustness parameter
     mechanism: ClassVar[str] = "hgm"
+    accepts_custom_dataset: ClassVar[bool] = True
+    model: None = own_network_field()
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _no_model(cls, value):
+        return refuse_model(value, "secure_sgd")
 
     def smoothing_unavailable(self) -> str | None:
         if self.noise_after != 0:
