@@ -33,7 +33,20 @@ import math
 from pathlib import Path
 
 from sweeps import report_plots as rp
-from sweeps.report_data import Sweep, aggregate, finished, fmt_stat, load_sweep, load_tables, reference_rows, with_groups
+from sweeps.report_data import (
+    SWEEP_COLUMN,
+    Sweep,
+    aggregate,
+    finished,
+    fmt_stat,
+    key_name,
+    load_sweep,
+    load_sweeps,
+    load_tables,
+    other_sweeps,
+    reference_rows,
+    with_groups,
+)
 from trainables.tracking import retry
 
 DEFAULT_SIZES = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
@@ -58,9 +71,15 @@ def _md_table(rows: list[dict], cols: list[str] | None = None) -> list[str]:
     return out
 
 
+# the privacy parameters a paper's table needs, as the summary table heads them (docs/metrics.md)
+PRIVACY_HEADERS = {"epsilon": "epsilon (RDP)", "noise_multiplier": "sigma", "sampling_rate": "q"}
+
+
 def _headline_metrics(trials) -> list[str]:
-    """The headline metrics of the summary page: privacy, robustness parameters, accuracies."""
-    first = ("epsilon", "delta", "epsilon_lower_bound", "robustness_epsilon_config", "robustness_epsilon")
+    """The headline metrics of the summary page: privacy (epsilon, epsilon_pld, delta, sigma, q,
+    steps), robustness parameters, accuracies."""
+    first = ("epsilon", "epsilon_pld", "delta", "noise_multiplier", "sampling_rate", "steps", "epsilon_lower_bound",
+             "robustness_epsilon_config", "robustness_epsilon")
     metrics = [c for c in trials.columns if c in first or c == "acc_clean"
                or str(c).startswith(("acc_", "cert_acc_", "smooth_cert_acc_")) and c != "acc_clean_expected"]
     metrics.sort(key=lambda c: (c not in first, first.index(c) if c in first else 0, c != "acc_clean", c))
@@ -76,17 +95,18 @@ def aggregated_rows(trials) -> tuple[list[dict], list[str]]:
     if agg.empty:
         return [], []
     fin = finished(with_groups(trials))
-    swept = [c for c in agg.columns if str(c).startswith("param.") and c != "param.trainable"
+    swept = [c for c in agg.columns if (str(c).startswith("param.") or c == SWEEP_COLUMN) and c != "param.trainable"
              and agg[c].astype(str).nunique() > 1]
     metrics = _headline_metrics(fin)
     rows = []
     for r in agg.to_dict("records"):
         row = {"configuration": r["runs"] if r["n"] == 1 else f"{r['n']} repeats: {r['runs']}",
                "trainable": r["trainable"]}
-        row.update({f"cfg.{c[len('param.'):]}": r[c] for c in swept})  # configured, not measured
+        # configured, not measured (cfg.<key>); the sweep a row comes from when several are compared
+        row.update({c if c == SWEEP_COLUMN else f"cfg.{key_name(c)}": r[c] for c in swept})
         row["n"] = r["n"]
         for m in metrics:
-            row[m] = fmt_stat(r.get(m, math.nan), r.get(f"{m}.sd", math.nan), int(r.get(f"{m}.n", 0)), of=r["n"])
+            row[PRIVACY_HEADERS.get(m, m) if "epsilon_pld" in metrics or m != "epsilon" else m] = fmt_stat(r.get(m, math.nan), r.get(f"{m}.sd", math.nan), int(r.get(f"{m}.n", 0)), of=r["n"])
         bad = r.get("not_learned", 0.0) * r.get("not_learned.n", 0)
         if isinstance(bad, float) and math.isfinite(bad) and bad > 0:
             row["learned"] = f"! {int(round(bad))}/{r['n']} did not learn"
@@ -244,9 +264,23 @@ def _privacy_section(sweep: Sweep) -> list[str]:
     return lines + [""]
 
 
-def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, parent_run_id: str | None = None) -> Path:
-    """Write the report of the latest sweep in ``experiment`` to ``out``; returns report.md."""
-    sweep = load_sweep(experiment, tracking_uri, parent_run_id=parent_run_id)
+def _run_ids(parent_run_id) -> list[str]:
+    """``--run`` as given: None, one id, ``A,B``, or a list of either (``--run A --run B``)."""
+    if not parent_run_id:
+        return []
+    items = [parent_run_id] if isinstance(parent_run_id, str) else list(parent_run_id)
+    return list(dict.fromkeys(i.strip() for item in items for i in str(item).split(",") if i.strip()))
+
+
+def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
+                parent_run_id: str | list[str] | None = None) -> Path:
+    """Write the report of the latest sweep in ``experiment`` (or of the sweeps ``parent_run_id``
+    names: one id, ``A,B`` or a list; several are compared in one report) to ``out``; returns
+    report.md."""
+    import sys
+
+    ids = _run_ids(parent_run_id)
+    sweep = load_sweeps(experiment, tracking_uri, ids) if ids else load_sweep(experiment, tracking_uri)
     load_tables(sweep)
     sizes = tuple(sorted(sizes or DEFAULT_SIZES))
     out.mkdir(parents=True, exist_ok=True)
@@ -307,10 +341,26 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, pa
 
     figures.extend(sample_grid_figures(sweep, out))
 
-    lines = [f"# Sweep report: {experiment}", "",
-             f"Parent run `{sweep.parent.info.run_id}` ({sweep.parent.info.run_name}), {len(trials)} trials, "
-             f"tracking URI `{tracking_uri}`.", ""]
-    lines += _privacy_section(sweep)
+    others = other_sweeps(sweep)
+    if others:
+        print(f"dpsweep: note: {_others_text(others)}", file=sys.stderr, flush=True)
+    lines = [f"# Sweep report: {experiment}", ""]
+    if len(sweep.sweeps) == 1:
+        lines += [f"Parent run `{sweep.parent.info.run_id}` ({sweep.parent.info.run_name}), {len(trials)} trials, "
+                  f"tracking URI `{tracking_uri}`.", ""]
+    else:
+        lines += [f"{len(sweep.sweeps)} sweeps compared (column `sweep`, a series per sweep in every figure), "
+                  f"{len(trials)} trials, tracking URI `{tracking_uri}`:", ""]
+        lines += [f"* `{s.parent.info.run_name}`: parent run `{s.parent.info.run_id}`, {len(s.trials)} trials"
+                  for s in sweep.sweeps] + [""]
+    if others:
+        lines += [_others_text(others), ""]
+    for part in sweep.sweeps:
+        section = _privacy_section(part)
+        if len(sweep.sweeps) > 1:
+            section[0] = f"## Privacy of the sweep `{part.parent.info.run_name}`"
+        lines += section
+        lines += _best_section(part, tracking_uri)
     lines += _reference_section(sweep, refs)
     lines += _dpal_side_by_side(trials, refs)
     if agg_rows:
@@ -343,10 +393,56 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None, pa
         files.append(out / fname)
     report = out / "report.md"
     report.write_text("\n".join(lines))
-    for f in [report, *files]:
-        retry(lambda f=f: sweep.client.log_artifact(sweep.parent.info.run_id, str(f), "report"),
-              what="log_artifact(report)")
+    where = "report" if len(sweep.sweeps) == 1 else "report_comparison"  # a comparison never replaces a sweep's own
+    for part in sweep.sweeps:
+        for f in [report, *files]:
+            retry(lambda f=f, part=part: sweep.client.log_artifact(part.parent.info.run_id, str(f), where),
+                  what="log_artifact(report)")
     return report
+
+
+def _others_text(others: list[dict]) -> str:
+    """What else the experiment holds, and how to include it."""
+    items = [f"{o['name']} ({o['run_id']}, {o['trials'] if o['trials'] is not None else 'unknown number of'} trials, "
+             f"{o['date']}, {o['status']})" for o in others[:10]]
+    more = f" and {len(others) - 10} more" if len(others) > 10 else ""
+    return (f"this experiment also holds {len(others)} other sweep{'s' if len(others) > 1 else ''}: "
+            f"{'; '.join(items)}{more}; add --run ID (repeatable, or A,B) to include them in this report")
+
+
+def _best_section(sweep: Sweep, tracking_uri: str) -> list[str]:
+    """The best trial by the spec's ``search.metric`` (issue 24, point 5), with what covers
+    choosing it, and the address of MLflow's compare view of the sweep's trials (point 9)."""
+    from sweeps.best import compare_url, selection_caveat, ui_base
+
+    params, tags, trials = dict(sweep.parent.data.params), sweep.parent_tags, sweep.trials
+    lines = ["## Best trial", ""]
+    metric, mode = params.get("search.metric"), params.get("search.mode") or "max"
+    if metric in (None, "", "null"):
+        lines.append("The spec sets no single `search.metric`: no best trial is named (the figures show the "
+                     "trade-offs).")
+    elif metric not in trials or finished(trials).empty or finished(trials)[metric].dropna().empty:
+        lines.append(f"No finished trial reports `{metric}`.")
+    else:
+        fin = finished(with_groups(trials))
+        vals = fin[metric].astype(float)
+        vals = vals[vals.map(math.isfinite)]
+        best = fin.loc[vals.idxmax() if mode == "max" else vals.idxmin()]
+        agg = aggregate(fin, [])
+        label = dict(zip(agg["group"], agg["label"])).get(best["group"], best.get("trainable", ""))
+        private = "tuning_epsilon" in sweep.parent_metrics
+        lines.append(f"By `search.metric` = `{metric}` ({mode}): **`{best['run']}`** ({label}), {metric} = "
+                     f"{float(best[metric]):.4g}, MLflow run `{best['run_id']}`"
+                     + (f" (tagged `dpsweep.best_run_id` on the parent run)" if tags.get("dpsweep.best_run_id") else "")
+                     + ".")
+        lines += ["", f"The choice: {selection_caveat(private, len(trials))}."]
+    url = tags.get("dpsweep.compare_url", "")
+    if not url.startswith("http") and "run_id" in trials and len(trials):
+        url = compare_url(ui_base(tracking_uri), sweep.parent.info.experiment_id, list(trials["run_id"]))
+    if url:
+        lines += ["", f"MLflow compare view of the {len(trials)} trials (parallel coordinates of the swept keys "
+                  f"against a metric; run `mlflow ui` first for a local store): <{url}>"]
+    return lines + [""]
 
 
 def _dpal_rows(sweep: Sweep) -> list[dict]:

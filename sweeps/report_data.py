@@ -35,6 +35,12 @@ class Sweep:
     parent: object
     trials: "object"                     # pandas.DataFrame, one row per child run
     tables: dict[tuple[str, str], "object"] = field(default_factory=dict)  # (run_id, kind) -> DataFrame
+    parts: list["Sweep"] = field(default_factory=list)  # several sweeps compared: each one (``load_sweeps``)
+
+    @property
+    def sweeps(self) -> list["Sweep"]:
+        """The sweeps this report covers: itself, or each compared sweep."""
+        return self.parts or [self]
 
     @property
     def parent_metrics(self) -> dict[str, float]:
@@ -142,6 +148,52 @@ def load_sweep(experiment: str, tracking_uri: str, *, parent_run_id: str | None 
         rows.append(row)
     trials = privacy_epsilons_only(pd.DataFrame(rows))
     return Sweep(client, experiment, tracking_uri, parent, trials)
+
+
+def load_sweeps(experiment: str, tracking_uri: str, run_ids: list[str]) -> Sweep:
+    """Several sweeps of ``experiment`` in one report (``dpsweep report EXP --run A --run B``):
+    their trials in one table with a ``sweep`` column (the parent run's name, made unique), which
+    groups configurations and draws a series per sweep; ``parts`` keeps each sweep."""
+    import pandas as pd
+
+    ids = list(dict.fromkeys(run_ids))
+    if len(ids) == 1:
+        return load_sweep(experiment, tracking_uri, parent_run_id=ids[0])
+    parts = [load_sweep(experiment, tracking_uri, parent_run_id=i) for i in ids]
+    names: dict[str, int] = {}
+    frames = []
+    for part in parts:
+        name = part.parent.info.run_name or part.parent.info.run_id[:8]
+        if name in names:  # two sweeps of the same name: tell them apart by id
+            name = f"{name} ({part.parent.info.run_id[:8]})"
+        names[name] = 1
+        frames.append(part.trials.assign(**{SWEEP_COLUMN: name}))
+    trials = pd.concat(frames, ignore_index=True, sort=False)
+    first = parts[0]
+    return Sweep(first.client, experiment, tracking_uri, first.parent, trials, parts=parts)
+
+
+def other_sweeps(sweep: Sweep) -> list[dict]:
+    """The experiment's other sweeps (not in this report), newest first: name, run id, trials
+    (the parent's ``trials`` metric; None for a sweep that never finished), start date, status.
+    One search of the experiment's parent runs."""
+    import datetime as dt
+
+    shown = {s.parent.info.run_id for s in sweep.sweeps}
+    runs = retry(lambda: sweep.client.search_runs([sweep.parent.info.experiment_id],
+                                                  filter_string="tags.`dpsweep.kind` = 'sweep'",
+                                                  order_by=["attributes.start_time DESC"], max_results=1000),
+                 what="search_runs(sweeps)")
+    out = []
+    for run in runs:
+        if run.info.run_id in shown:
+            continue
+        n = run.data.metrics.get("trials")
+        start = run.info.start_time
+        out.append({"name": run.info.run_name or run.info.run_id[:8], "run_id": run.info.run_id,
+                    "trials": int(n) if n is not None else None, "status": run.info.status,
+                    "date": dt.datetime.fromtimestamp(start / 1000).strftime("%Y-%m-%d %H:%M") if start else "?"})
+    return out
 
 
 def privacy_epsilons_only(trials):
@@ -252,10 +304,20 @@ def _key_value(value):
     return value
 
 
+SWEEP_COLUMN = "sweep"  # several sweeps compared: the parent run's name; groups and series per sweep
+
+
 def config_columns(trials) -> list[str]:
     """The configured parameters that define a group of repeats: every ``param.*`` column
-    except ``seed`` and ``repeat`` (measured values never group)."""
-    return [c for c in trials.columns if str(c).startswith("param.") and c not in REPEAT_PARAMS]
+    except ``seed`` and ``repeat`` (measured values never group), and ``sweep`` when several
+    sweeps are compared (``load_sweeps``)."""
+    own = [SWEEP_COLUMN] if SWEEP_COLUMN in trials.columns else []
+    return own + [c for c in trials.columns if str(c).startswith("param.") and c not in REPEAT_PARAMS]
+
+
+def key_name(column: str) -> str:
+    """A grouping column as the user wrote the key: ``param.max_grad_norm`` -> ``max_grad_norm``."""
+    return column[len("param."):] if str(column).startswith("param.") else str(column)
 
 
 def varying_columns(trials) -> list[str]:
@@ -285,7 +347,7 @@ def group_label(row, varying: list[str]) -> str:
         v = row.get(c)
         if _key_value(v) == "":
             continue
-        parts.append(f"{c[len('param.'):]}={v:.4g}" if isinstance(v, float) else f"{c[len('param.'):]}={v}")
+        parts.append(f"{key_name(c)}={v:.4g}" if isinstance(v, float) else f"{key_name(c)}={v}")
     return " ".join(parts)
 
 
