@@ -213,7 +213,7 @@ def cmd_run(args) -> int:
 
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_name = f"{spec.name}-{stamp}"
-    ray_init()
+    ray_init(spec)
     from sweeps.cluster_checks import StorageRefused, artifact_warning, preflight
 
     try:  # on a cluster: shared storage, a tracking server (docs/cluster.md); before any MLflow run
@@ -392,7 +392,7 @@ def cmd_resume(args) -> int:
         return EXIT_INVALID
     if not _tracking_ok(state["mlflow"]["tracking_uri"]):
         return EXIT_INVALID
-    ray_init()
+    ray_init(spec)
     from sweeps.cluster_checks import StorageRefused, preflight
     from sweeps.runner import trial_resources
     from sweeps.tracking import reopen_parent_run

@@ -339,10 +339,15 @@ class _RayHintFilter:
         return not any(h in msg for h in self.HINTS)
 
 
-def ray_init() -> None:
+def ray_init(spec=None) -> None:
+    """Start or join Ray; a spec's own model/dataset modules travel to the workers (sweeps.user_modules)."""
     import ray
+
+    from sweeps.user_modules import runtime_env
 
     quiet_ray()
     if not ray.is_initialized():
+        env = runtime_env(spec) if spec is not None else None
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
-                 log_to_driver=False, configure_logging=True, logging_level="WARNING")
+                 log_to_driver=False, configure_logging=True, logging_level="WARNING",
+                 **({"runtime_env": env} if env else {}))

@@ -160,6 +160,11 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         meta["mlflow_run_id"] = tracker.run_id
         tracker.log_params({"trainable": trainable, **dumped,
                             **({"repeat": config["repeat"]} if "repeat" in config else {})})
+        from dpmech.user_code import source_params  # a user's model/dataset: its source's hash (this attempt's: tags)
+
+        for key, digest in source_params(dumped).items():
+            tracker.log_params({key: digest})
+            tracker.set_tag(f"dpsweep.{key}", digest)
         tracker.set_tag(TAG_DEVICE, device_name(device))  # a tag: a retry may run on another node
     finished = False
     try:
