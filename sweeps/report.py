@@ -303,9 +303,13 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
     repeats = "; each point the mean over a configuration's repeats, error bars one standard deviation"
     add(rp.plot_pareto(trials, "acc_clean", out / "pareto_accuracy.png", "conventional accuracy (clean)", refs),
         "Privacy epsilon against conventional accuracy", "pareto_accuracy.png",
-        f"Every configuration a point{repeats}; the line is each mechanism's Pareto front (no configuration has "
-        "lower epsilon and higher accuracy). Privacy epsilons only: robustness mechanisms (PixelDP) are in their "
+        f"Every configuration a point{repeats}; a series (colour and marker) per value of the other swept keys, "
+        "its line the series' Pareto front (no configuration of it has lower epsilon and higher accuracy). Privacy epsilons only: robustness mechanisms (PixelDP) are in their "
         "own figure, against their configured parameter.")
+    add(rp.plot_accuracy_vs_epsilon(trials, "acc_clean", out / "accuracy_vs_epsilon.png",
+                                    "conventional accuracy (clean)", refs),
+        "Clean accuracy against epsilon", "accuracy_vs_epsilon.png",
+        f"Configured epsilon on the x axis, a line per value of the other swept keys{repeats}.")
     add(rp.plot_robustness(trials, "acc_clean", out / "robustness_accuracy.png", "conventional accuracy (clean)",
                            refs),
         "Robustness mechanisms: configured robustness epsilon against conventional accuracy",
@@ -388,8 +392,14 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
                   "bounds kappa and phi of Theorem 5, the certified size max(kappa, phi) (docs/dpal.md), and the "
                   "fraction isRobust at the configured mu_a; mean ± sd of those per-trial values over each "
                   "configuration's n repeats.", "", *_md_table(dpal_rows), ""]
+    if figures:
+        lines += ["Every figure is also written as a vector file (PDF) beside its PNG, for a paper.", ""]
     for title, fname, caption in figures:
+        vector = (out / fname).with_suffix(rp.VECTOR)
         lines += [f"## {title}", "", f"![{title}]({fname})", ""] + ([caption, ""] if caption else [])
+        if vector.exists():
+            lines[-1 if not caption else -2] += f" Vector: [{vector.name}]({vector.name})."
+            files.append(vector)
         files.append(out / fname)
     report = out / "report.md"
     report.write_text("\n".join(lines))

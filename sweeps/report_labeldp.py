@@ -1,7 +1,7 @@
 """The label-DP figure of ``dpsweep report`` (the source document's trade-off figure, extended).
 
 ``labeldp_figures(trials, out)`` draws, when the sweep has ``label_dp`` trials,
-``label_dp_accuracy_mse_vs_epsilon.png``: regression MSE against epsilon (log-log) and
+``label_dp_accuracy_mse_vs_epsilon.png`` (and its PDF): regression MSE against epsilon (log-log) and
 classification accuracy against epsilon (log x), one line per mechanism (Laplace, randomized
 response, Laplace with clamp-and-round), each task's non-private baseline as a dashed horizontal
 line, and on the accuracy panel the analytic probability that a training label is kept at each
@@ -147,9 +147,16 @@ def plot_labeldp(rows: list[dict], path: Path, num_classes: int = 10) -> bool:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle("Label DP on the training labels: utility against epsilon (labels released once per trial)", fontsize=10)
+    from sweeps.report_plots import VECTOR, plain_log_axis
+
+    for ax in axes[0]:
+        for axis in (ax.xaxis, ax.yaxis):
+            if axis.get_scale() == "log":
+                plain_log_axis(axis)  # 0.5, 2, 10: no 2x10^0
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
+    fig.savefig(Path(path).with_suffix(VECTOR))  # vector copy for a paper
     plt.close(fig)
     return True
 

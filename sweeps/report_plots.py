@@ -3,13 +3,17 @@ has no data for its figure, so the report shows only what it can draw.
 
 Repeats of a configuration (``search.num_samples``; trials that differ only in ``seed`` and
 ``repeat``) are drawn as one point or curve: the mean, with error bars (or a band) of one sample
-standard deviation. Published values of the spec's ``reference`` block are drawn as black stars
+standard deviation. Every figure draws one series per value of the swept keys it does not put on
+an axis (colour and marker, with a legend), writes a PDF beside its PNG, and labels log axes with
+plain decimals. Published values of the spec's ``reference`` block are drawn as black stars
 on every figure whose axes they belong to (``refs``: ``report_data.reference_rows``).
 
 * ``plot_pareto``: privacy epsilon against a utility metric, per mechanism, with each mechanism's
   front (trainables whose epsilon is a privacy guarantee only);
 * ``plot_robustness``: the same metric against the *configured* robustness epsilon, for the
   trainables whose epsilon is a robustness parameter (PixelDP);
+* ``plot_accuracy_vs_epsilon``: clean accuracy against the configured epsilon, a line per value
+  of the other swept keys;
 * ``plot_certified_curves``: certified accuracy against attack size from the per-example tables;
 * ``plot_accuracy_vs_epsilon_per_attack``: the layout of the DPAL paper's Fig. 2 (one panel per
   attack at one attack size, conventional accuracy against the configured epsilon);
@@ -119,17 +123,68 @@ def _stars(ax, points, label_done: list) -> None:
             note.set_in_layout(False)  # a long label must not squeeze the axes
 
 
-def _save(fig, ax_or_axes, path: Path, legend_fontsize=7) -> None:
+MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "h", "<", ">", "p")
+VECTOR = ".pdf"  # every figure is also written as a vector file beside its PNG
+
+
+def style(i: int) -> dict:
+    """Colour and marker of the i-th series: each series differs in both (legible in grey print)."""
     plt = _plt()
+    return {"color": plt.cm.tab10(i % 10), "marker": MARKERS[i % len(MARKERS)]}
+
+
+def _plain(value: float, _pos=None) -> str:
+    """A log-axis tick as a plain decimal (0.5, 2, 10, 0.001), never ``2x10^0``."""
+    if not math.isfinite(value) or value <= 0:
+        return ""
+    return f"{value:.6g}"
+
+
+def plain_log_axis(axis) -> None:
+    """Plain decimal labels on a log axis: every decade, and the 2 and 5 between decades when
+    the axis spans less than two decades (matplotlib's default writes those as ``2x10^0``)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    lo, hi = sorted(axis.get_view_interval())
+    span = math.log10(hi / lo) if lo > 0 and hi > 0 else 99.0
+    axis.set_major_locator(LogLocator(base=10))
+    axis.set_major_formatter(FuncFormatter(_plain))
+    if span < 2:
+        axis.set_minor_locator(LogLocator(base=10, subs=(2.0, 5.0)))
+        axis.set_minor_formatter(FuncFormatter(_plain))
+    else:
+        axis.set_minor_locator(LogLocator(base=10, subs=tuple(range(2, 10))))
+        axis.set_minor_formatter(FuncFormatter(lambda v, p=None: ""))
+
+
+def _save(fig, ax_or_axes, path: Path, legend_fontsize=7) -> None:
+    """Write ``path`` (PNG) and the same figure as a vector file (PDF) beside it; log axes get
+    plain decimal tick labels."""
+    plt = _plt()
+    for ax in np.atleast_1d(ax_or_axes).ravel():
+        for axis in (ax.xaxis, ax.yaxis):
+            if axis.get_scale() == "log":
+                plain_log_axis(axis)
     fig.tight_layout()
     fig.savefig(path)
+    fig.savefig(Path(path).with_suffix(VECTOR))
     plt.close(fig)
+
+
+def _series(df, agg, exclude=EPSILON_PARAMS) -> list:
+    """``agg`` (one row per configuration) with ``_series``: the trainable and the values of every
+    other swept key (all varying configured keys but ``exclude``, the x axis), one series each."""
+    varying = [c for c in varying_columns(finished(df)) if c not in exclude] if not df.empty else []
+    agg = agg.copy()
+    agg["_series"] = [group_label(r, varying) for r in agg.to_dict("records")]
+    return agg
 
 
 def plot_pareto(trials, metric: str, path: Path, ylabel: str, refs=()) -> bool:
     """Each configuration (mean over its repeats, error bars one sd) as a point (privacy epsilon,
-    ``metric``), one colour per mechanism, its front (of the means) as a step line. Only trainables
-    whose epsilon is a privacy guarantee; non-private baselines (infinite epsilon) are left out."""
+    ``metric``), one series (colour and marker) per value of the other swept keys, each series'
+    front (of the means) as a step line. Only trainables whose epsilon is a privacy guarantee;
+    non-private baselines (infinite epsilon) are left out."""
     if trials.empty or "epsilon" not in trials or metric not in trials:
         return False
     df = trials[trials["trainable"].map(_privacy).astype(bool)]
@@ -139,15 +194,16 @@ def plot_pareto(trials, metric: str, path: Path, ylabel: str, refs=()) -> bool:
     agg = agg[np.isfinite(agg["epsilon"].astype(float)) & np.isfinite(agg[metric].astype(float))]
     if agg.empty:
         return False
+    agg = _series(df, agg)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
-    for i, (mech, g) in enumerate(sorted(agg.groupby("trainable"), key=lambda kv: kv[0])):
-        color = plt.cm.tab10(i % 10)
+    for i, (series, g) in enumerate(sorted(agg.groupby("_series"), key=lambda kv: kv[0])):
+        st = style(i)
         e, a = g["epsilon"].to_numpy(float), g[metric].to_numpy(float)
         front = pareto_front(e, a)
-        ax.step(e[front], a[front], where="post", color=color, lw=1.5, alpha=0.6, label=f"{mech} (front)")
-        ax.errorbar(e, a, yerr=_sd(g[f"{metric}.sd"]), xerr=_sd(g["epsilon.sd"]), fmt="o", color=color,
-                    ms=5, capsize=3, lw=1.2, zorder=3, label=f"{mech} (mean ± sd)")
+        ax.step(e[front], a[front], where="post", color=st["color"], lw=1.3, alpha=0.6)
+        ax.errorbar(e, a, yerr=_sd(g[f"{metric}.sd"]), xerr=_sd(g["epsilon.sd"]), fmt=st["marker"], color=st["color"],
+                    ms=5, capsize=3, lw=1.2, zorder=3, label=series)
     done: list = []
     _stars(ax, [(_ref_x(df, r["_where"], "epsilon"), r["published"], r["point"])
                 for r in refs if r["metric"] == metric], done)
@@ -156,7 +212,7 @@ def plot_pareto(trials, metric: str, path: Path, ylabel: str, refs=()) -> bool:
     ax.set_ylabel(ylabel + " (mean ± sd)")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, title="mean ± sd; line: the series' front", title_fontsize=7)
     _save(fig, ax, path)
     return True
 
@@ -181,14 +237,13 @@ def plot_robustness(trials, metric: str, path: Path, ylabel: str, refs=()) -> bo
     agg = aggregate(df, ["robustness_epsilon_config", metric])
     if agg.empty or not np.isfinite(agg[metric].astype(float)).any():
         return False
-    varying = [c for c in varying_columns(finished(df)) if c != "param.epsilon"]
-    agg["_series"] = [group_label(r, varying) for r in agg.to_dict("records")]
+    agg = _series(df, agg, ("param.epsilon",))
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
     for i, (series, g) in enumerate(sorted(agg.groupby("_series"), key=lambda kv: kv[0])):
         g = g.sort_values("robustness_epsilon_config")
         ax.errorbar(g["robustness_epsilon_config"].to_numpy(float), g[metric].to_numpy(float),
-                    yerr=_sd(g[f"{metric}.sd"]), marker="o", capsize=3, color=plt.cm.tab10(i % 10), label=series)
+                    yerr=_sd(g[f"{metric}.sd"]), capsize=3, label=series, **style(i))
     _stars(ax, [(_ref_x(df, r["_where"], "param.epsilon"), r["published"], r["point"])
                 for r in refs if r["metric"] == metric], [])
     ax.set_xlabel("configured robustness epsilon (not a privacy guarantee)")
@@ -234,9 +289,11 @@ def plot_certified_curves(sweep: Sweep, kind: str, path: Path, refs=()) -> bool:
     for i, (gid, (label, tables)) in enumerate(sorted(groups.items())):
         curves = np.array([certified_accuracy_at(t, kind, grid) for t in tables])
         mean = curves.mean(axis=0)
-        color = plt.cm.tab10(i % 10)
+        st = style(i)
+        color = st["color"]
         ls = ("-", "--", ":", "-.")[mechs.index(label.split()[0]) % 4]
-        ax.plot(grid, mean, ls=ls, color=color, alpha=0.9, label=f"{label} (n={len(tables)})")
+        ax.plot(grid, mean, ls=ls, alpha=0.9, markevery=max(1, len(grid) // 8), ms=4,
+                label=f"{label} (n={len(tables)})", **st)
         if len(tables) > 1:
             sd = curves.std(axis=0, ddof=1)
             ax.fill_between(grid, mean - sd, mean + sd, color=color, alpha=0.15, lw=0)
@@ -306,8 +363,8 @@ def plot_accuracy_vs_epsilon_per_attack(trials, size: float, path: Path, refs=()
         col = cols[attack]
         for i, (series, g) in enumerate(sorted(agg.groupby("_series"), key=lambda kv: kv[0])):
             g = g.sort_values("_eps")
-            ax.errorbar(g["_eps"].to_numpy(float), g[col].to_numpy(float), yerr=_sd(g[f"{col}.sd"]), marker="o",
-                        capsize=2, ms=4, color=plt.cm.tab10(i % 10), label=series)
+            ax.errorbar(g["_eps"].to_numpy(float), g[col].to_numpy(float), yerr=_sd(g[f"{col}.sd"]),
+                        capsize=2, ms=4, label=series, **style(i))
         mean_metric = f"acc_attack_mean_{size:.6g}"  # published as an average over the attacks: on every panel
         _stars(ax, [(_ref_x(df, r["_where"], "_eps"), r["published"],
                      r["point"] + (" (avg over attacks)" if r["metric"] == mean_metric else ""))
@@ -319,6 +376,43 @@ def plot_accuracy_vs_epsilon_per_attack(trials, size: float, path: Path, refs=()
     axes[0][0].set_ylabel("conventional accuracy (mean ± sd)")
     axes[0][-1].legend(fontsize=6)
     _save(fig, axes, path)
+    return True
+
+
+def plot_accuracy_vs_epsilon(trials, metric: str, path: Path, ylabel: str, refs=()) -> bool:
+    """``metric`` (clean accuracy) against the configured epsilon, one line (colour and marker)
+    per value of the other swept keys (mean ± sd over repeats); a log epsilon axis with plain
+    decimal ticks when the epsilons span a factor of 4 or more. False with fewer than two epsilons
+    in every series."""
+    if trials.empty or metric not in trials:
+        return False
+    df = _with_config_epsilon(trials)
+    df = df[df["_eps"].notna()]
+    agg = aggregate(df, ["_eps", metric])
+    if agg.empty:
+        return False
+    agg = agg[np.isfinite(agg[metric].astype(float))]
+    varying = varying_columns(finished(df))
+    agg["_series"] = [_series_name(r, varying) for r in agg.to_dict("records")]
+    if agg.empty or agg.groupby("_series")["_eps"].nunique().max() < 2:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
+    for i, (series, g) in enumerate(sorted(agg.groupby("_series"), key=lambda kv: kv[0])):
+        g = g.sort_values("_eps")
+        ax.errorbar(g["_eps"].to_numpy(float), g[metric].to_numpy(float), yerr=_sd(g[f"{metric}.sd"]), capsize=3,
+                    ms=5, label=f"{series} (n={int(g['n'].sum())})", **style(i))
+    _stars(ax, [(_ref_x(df, r["_where"], "_eps"), r["published"], r["point"]) for r in refs if r["metric"] == metric],
+           [])
+    eps = agg["_eps"].astype(float)
+    if eps.max() / eps.min() >= 4:
+        ax.set_xscale("log")
+    ax.set_xlabel("epsilon (configured)")
+    ax.set_ylabel(ylabel + " (mean ± sd)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    _save(fig, ax, path)
     return True
 
 
@@ -339,8 +433,7 @@ def plot_accuracy_vs_size_per_attack(trials, path: Path, refs=()) -> bool:
         for i, row in enumerate(agg.to_dict("records")):
             acc = [row.get(cols[attack][s], math.nan) for s in sizes]
             sd = [row.get(f"{cols[attack][s]}.sd", math.nan) for s in sizes]
-            ax.errorbar(sizes, acc, yerr=_sd(sd), marker="o", capsize=2, ms=4, color=plt.cm.tab10(i % 10),
-                        label=f"{row['label']} (n={row['n']})")
+            ax.errorbar(sizes, acc, yerr=_sd(sd), capsize=2, ms=4, label=f"{row['label']} (n={row['n']})", **style(i))
         _stars(ax, [(float(ACC.match(r["metric"]).group(2)), r["published"], r["point"]) for r in refs
                     if ACC.match(r["metric"]) and ACC.match(r["metric"]).group(1) == attack
                     and _matches_any(trials, r["_where"])], [])
@@ -363,25 +456,31 @@ def plot_certified_vs_size_by_mechanism(sweep: Sweep, path: Path, refs=()) -> bo
     if not sweep.tables:
         return False
     plt = _plt()
-    df = finished(_with_config_epsilon(sweep.trials)).set_index("run_id")
+    df = finished(_with_config_epsilon(sweep.trials))
+    varying = varying_columns(df) if not df.empty else []
+    df = df.set_index("run_id")
     groups: dict[tuple, list] = {}
     for (rid, kind), table in sweep.tables.items():
         if rid not in df.index:
             continue
         row = df.loc[rid]
         eps = float(row["_eps"]) if math.isfinite(_num(row["_eps"])) else math.nan
-        groups.setdefault((row["trainable"], round(eps, 6), kind), []).append(table)
+        other = group_label(row.to_dict(), [c for c in varying if c not in EPSILON_PARAMS])  # the other swept keys
+        groups.setdefault((other, round(eps, 6), kind), []).append(table)
     if not groups:
         return False
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
-    for i, ((mech, eps, kind), tables) in enumerate(sorted(groups.items(), key=lambda kv: kv[0])):
+    for i, ((series, eps, kind), tables) in enumerate(sorted(groups.items(), key=lambda kv: kv[0])):
         grid = size_grid(sweep, kind)
         curves = np.array([certified_accuracy_at(t, kind, grid) for t in tables])
         mean = curves.mean(axis=0)
-        color = plt.cm.tab10(i % 10)
+        st = style(i)
+        color = st["color"]
+        mech, rest = (series.split(" ", 1) + [""])[:2]
         what = "eps" if _privacy(mech) else "robustness eps (configured)"
-        ax.plot(grid, mean, color=color, ls="-" if kind == "native" else "--",
-                label=f"{mech} {what}={eps:.3g} (n={len(tables)})" + (" (smoothing)" if kind == "smoothing" else ""))
+        ax.plot(grid, mean, ls="-" if kind == "native" else "--", markevery=max(1, len(grid) // 8), ms=4,
+                label=f"{mech} {what}={eps:.3g}{' ' + rest if rest else ''} (n={len(tables)})"
+                + (" (smoothing)" if kind == "smoothing" else ""), **st)
         if len(tables) > 1:
             sd = curves.std(axis=0, ddof=1)
             ax.fill_between(grid, mean - sd, mean + sd, color=color, alpha=0.15, lw=0)
@@ -413,5 +512,5 @@ def certified_table(sweep: Sweep, sizes) -> list[dict]:
     return out
 
 
-__all__ = ["TABLES", "certified_table", "plot_accuracy_vs_epsilon_per_attack", "plot_accuracy_vs_size_per_attack",
+__all__ = ["TABLES", "certified_table", "plot_accuracy_vs_epsilon", "plot_accuracy_vs_epsilon_per_attack", "plot_accuracy_vs_size_per_attack",
            "plot_certified_curves", "plot_certified_vs_size_by_mechanism", "plot_pareto", "plot_robustness"]
