@@ -476,7 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default="report")
     rep.add_argument("--sizes", type=_sizes, default=None,
                      help="attack sizes for the certified-accuracy table, e.g. 0.05,0.3 (from the per-example tables)")
-    rep.add_argument("--run", default=None, help="the sweep's parent run id (default: the latest sweep)")
+    rep.add_argument("--run", action="append", default=None, metavar="ID[,ID...]",
+                     help="a sweep's parent run id (default: the latest sweep); repeat it, or give A,B, to compare "
+                          "several sweeps in one report")
     rep.set_defaults(fn=cmd_report)
     return ap
 
