@@ -358,7 +358,8 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
         lines += [f"* `{s.parent.info.run_name}`: parent run `{s.parent.info.run_id}`, {len(s.trials)} trials"
                   for s in sweep.sweeps] + [""]
     if others:
-        lines += [_others_text(others), ""]
+        text = _others_text(others)
+        lines += [text[0].upper() + text[1:] + ".", ""]
     for part in sweep.sweeps:
         section = _privacy_section(part)
         if len(sweep.sweeps) > 1:

@@ -379,6 +379,12 @@ def plot_accuracy_vs_epsilon_per_attack(trials, size: float, path: Path, refs=()
     return True
 
 
+def _per_point(n) -> str:
+    """`` (n=3 per point)`` when points average repeats, nothing for single trials."""
+    lo, hi = int(n.min()), int(n.max())
+    return "" if hi == 1 else f" (n={lo} per point)" if lo == hi else f" (n={lo}-{hi} per point)"
+
+
 def plot_accuracy_vs_epsilon(trials, metric: str, path: Path, ylabel: str, refs=()) -> bool:
     """``metric`` (clean accuracy) against the configured epsilon, one line (colour and marker)
     per value of the other swept keys (mean ± sd over repeats); a log epsilon axis with plain
@@ -401,7 +407,7 @@ def plot_accuracy_vs_epsilon(trials, metric: str, path: Path, ylabel: str, refs=
     for i, (series, g) in enumerate(sorted(agg.groupby("_series"), key=lambda kv: kv[0])):
         g = g.sort_values("_eps")
         ax.errorbar(g["_eps"].to_numpy(float), g[metric].to_numpy(float), yerr=_sd(g[f"{metric}.sd"]), capsize=3,
-                    ms=5, label=f"{series} (n={int(g['n'].sum())})", **style(i))
+                    ms=5, label=series + _per_point(g["n"]), **style(i))
     _stars(ax, [(_ref_x(df, r["_where"], "_eps"), r["published"], r["point"]) for r in refs if r["metric"] == metric],
            [])
     eps = agg["_eps"].astype(float)
