@@ -80,8 +80,8 @@ class CommonConfig(BaseModel):
         from dpmech.user_code import is_import_path
 
         if not is_import_path(value):
-            raise ValueError(f"must be one of {', '.join(map(repr, names))} or an import path "
-                             f"'package.module:loader', got {value!r}")
+            raise ValueError(f"must be one of {', '.join(map(repr, names))}; got {value!r} (or your loader's "
+                             f"import path 'package.module:loader')")
         if not cls.accepts_custom_dataset:
             raise ValueError(f"this mechanism builds its networks per named dataset: one of "
                              f"{', '.join(map(repr, names))} (a loader such as {value!r} is taken by dpsgd, "
@@ -217,8 +217,8 @@ def _user_model_problem(path: str, dataset: str, bk: bool, trainable: str, outpu
 def own_network_field():
     """The ``model`` key of a mechanism whose network is its own (PixelDP's sensitivity-bounded
     first layer): only null, so that a model import path is refused with the reason (see
-    :func:`refuse_model`) instead of "unknown key"; never logged (excluded from the dump)."""
-    return Field(None, exclude=True, description="not taken: the network is PixelDP's, its first layer's sensitivity "
+    :func:`refuse_model`) instead of "unknown key"."""
+    return Field(None, description="not taken: the network is PixelDP's, its first layer's sensitivity "
                                                  "bounded by construction (an arbitrary model's cannot be); train your "
                                                  "own model with dpsgd or dpal_sound")
 
