@@ -72,15 +72,24 @@ def test_cli_sweep_logs_parent_and_children(tmp_path, ray_local, monkeypatch, ca
 
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    spec = _spec(tmp_path, "e2e", [0.5, 1.0])
+    spec = _spec(tmp_path, "e2e", [0.5, 1.0], search={"algorithm": "grid", "metric": "acc_clean", "mode": "max"})
     assert main(["run", str(spec), "--tracking-uri", uri]) == 0
     out = capsys.readouterr().out
     assert out.count(" DONE") == 2 and "STOPPED" not in out  # the results table
     assert "mlflow ui --backend-store-uri" in out
+    assert "cfg.epsilon" in out.splitlines()[[ln.startswith("trial_id") for ln in out.splitlines()].index(True)]
 
     client, parents, children = _runs(uri, "e2e")
     assert len(parents) == 1 and len(children) == 2
     parent = parents[0]
+    # the best trial and the compare view: printed and tagged on the parent (issue 24, points 5 and 9)
+    best = max(children, key=lambda r: r.data.metrics["acc_clean"])
+    assert parent.data.tags["dpsweep.best_run_id"] == best.info.run_id
+    assert parent.data.metrics["best_acc_clean"] == best.data.metrics["acc_clean"]
+    assert f"run {best.info.run_id}); not private" in out
+    compare = next(ln for ln in out.splitlines() if ln.startswith("compare:  "))
+    assert parent.data.tags["dpsweep.compare_url"] in compare
+    assert all(r.info.run_id in compare for r in children)
     assert parent.data.tags["dpsweep.git_commit"]
     assert "spec.yaml" in [a.path for a in client.list_artifacts(parent.info.run_id)]
     assert parent.data.metrics["trials"] == 2
