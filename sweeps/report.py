@@ -90,7 +90,8 @@ def aggregated_rows(trials) -> tuple[list[dict], list[str]]:
     """The summary page's trials table: one row per configuration (repeats that differ only in
     seed/repeat aggregated), its varying configured parameters, n, and each headline metric as
     mean ± sd (with (k) when only k of the n trials have it). A configuration some repeat of which
-    did not learn is flagged ``!`` (``not_learned``)."""
+    did not learn is flagged ``!`` (``not_learned``: accuracy not above chance); one whose final
+    train loss sat near ln K gets a hint (``loss_near_chance``), which is no verdict."""
     agg = aggregate(trials)
     if agg.empty:
         return [], []
@@ -110,6 +111,10 @@ def aggregated_rows(trials) -> tuple[list[dict], list[str]]:
         bad = r.get("not_learned", 0.0) * r.get("not_learned.n", 0)
         if isinstance(bad, float) and math.isfinite(bad) and bad > 0:
             row["learned"] = f"! {int(round(bad))}/{r['n']} did not learn"
+        hint = r.get("loss_near_chance", 0.0) * r.get("loss_near_chance.n", 0)
+        if isinstance(hint, float) and math.isfinite(hint) and hint > 0:  # a hint, not a verdict (docs/metrics.md)
+            note = f"hint: train loss near ln K in {int(round(hint))}/{r['n']}"
+            row["learned"] = f"{row['learned']}; {note}" if "learned" in row else note
         rows.append(row)
     cols = list(dict.fromkeys(k for r in rows for k in r))
     return rows, cols

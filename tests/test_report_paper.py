@@ -165,3 +165,23 @@ def test_several_sweeps_compare_in_one_report(store, tmp_path, how, monkeypatch)
     assert text.count("| gridA |") == 6 and text.count("| newB |") == 2
     legend = [t.get_text() for t in figs["pareto_accuracy.png"].axes[0].get_legend().get_texts()]
     assert any("sweep=gridA" in t for t in legend) and any("sweep=newB" in t for t in legend)
+
+
+def test_loss_near_chance_is_a_hint_in_the_table_not_a_verdict():
+    """Issue 24, point 8: an epsilon-1 configuration at 32.5% whose noisy loss sat near ln 10 is
+    not marked as not learned; the table carries the hint. Negative control: a chance-level one is."""
+    import pandas as pd
+
+    from sweeps.report import aggregated_rows
+
+    trials = pd.DataFrame([
+        {"run_id": "a", "run": "a", "trainable": "dpsgd", "status": "FINISHED", "param.epsilon": 1.0,
+         "acc_clean": 0.325, "not_learned": 0.0, "loss_near_chance": 1.0},
+        {"run_id": "b", "run": "b", "trainable": "dpsgd", "status": "FINISHED", "param.epsilon": 0.01,
+         "acc_clean": 0.10, "not_learned": 1.0, "loss_near_chance": 1.0},
+        {"run_id": "c", "run": "c", "trainable": "dpsgd", "status": "FINISHED", "param.epsilon": 8.0,
+         "acc_clean": 0.95, "not_learned": 0.0, "loss_near_chance": 0.0}])
+    rows = {r["configuration"]: r for r in aggregated_rows(trials)[0]}
+    assert rows["a"]["learned"] == "hint: train loss near ln K in 1/1"
+    assert rows["b"]["learned"].startswith("! 1/1 did not learn")
+    assert "learned" not in rows["c"]
