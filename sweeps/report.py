@@ -1,5 +1,10 @@
 """``dpsweep report``: the trade-offs of a sweep, read back from MLflow, on one summary page.
 
+``--run A --run B`` (or ``--run A,B``) compares several sweeps of the experiment in one report: a
+``sweep`` column in every table, a series per sweep in every figure, a privacy section and a best
+trial per sweep; without ``--run`` the latest sweep, and the page says which other sweeps the
+experiment holds and how to include them.
+
 Repeats of a configuration (``search.num_samples``: trials that differ only in ``seed`` and
 ``repeat``) are grouped by their configured parameters and shown as mean ± standard deviation
 with n in every table, and with error bars (bands for curves) in every figure.
@@ -8,14 +13,18 @@ Writes to ``--out`` and logs to the sweep's parent run under ``report/``:
 
 * ``report.md``: the summary page — the privacy of the sweep (per-trial privacy epsilon, and
   either the end-to-end epsilon of a ``tuning_privacy`` sweep with the released trial, or a plain
-  statement that the selection among trials is not covered), empirical audits beside the claimed
-  epsilon, the spec's published values beside the measured ones (its ``reference`` block), the
-  trials table per configuration, certified accuracy at the asked sizes, and every figure below;
+  statement that the selection among trials is not covered), the best trial by ``search.metric``
+  with that caveat and the address of MLflow's compare view of the trials, empirical audits beside
+  the claimed epsilon, the spec's published values beside the measured ones (its ``reference``
+  block), the trials table per configuration (with the privacy parameters epsilon, epsilon_pld,
+  delta, sigma, q and steps where logged), certified accuracy at the asked sizes, and every figure;
 * ``trials.csv`` (every trial's parameters and final metrics), ``trials_aggregated.csv`` (per
   configuration: ``<metric>``, ``<metric>.sd``, ``<metric>.n``, ``n``) and
   ``certified_accuracy.csv`` (certified accuracy at ``--sizes``, from the per-example tables);
 * ``pareto_accuracy.png`` / ``pareto_certified.png``: privacy epsilon against conventional and
-  certified accuracy, per mechanism, with each mechanism's Pareto front (privacy epsilons only);
+  certified accuracy, a series per value of the other swept keys, each with its Pareto front
+  (privacy epsilons only); ``accuracy_vs_epsilon.png``: clean accuracy against the configured
+  epsilon, a line per value of the other swept keys;
   ``robustness_accuracy.png`` / ``robustness_certified.png``: the same against the configured
   robustness epsilon of robustness mechanisms (PixelDP);
 * ``cert_acc_vs_size.png`` (and ``smooth_cert_acc_vs_size.png``): certified accuracy against the
@@ -25,6 +34,9 @@ Writes to ``--out`` and logs to the sweep's parent run under ``report/``:
 * mechanism-specific figures (label DP's accuracy and MSE against epsilon).
 
 Published values (the spec's ``reference`` block) are black stars on the figures they belong to.
+Every figure draws a series (colour and marker, legend) per value of the swept keys off its axes,
+labels log axes in plain decimals and is also written as a PDF. A report of one sweep is logged
+under ``report/`` on its parent run; a comparison under ``report_comparison/`` on each compared one.
 """
 
 from __future__ import annotations
