@@ -178,8 +178,8 @@ def _torchvision_dataset(dataset: str, root: Path, train: bool, download: bool):
         ) from exc
 
 
-def _to_tensors(ds, dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whole split as (float32 [N, C, H, W] in [-1, 1], int64 [N]) from torchvision's arrays."""
+def _uint8_split(ds, dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole split as (uint8 [N, C, H, W], int64 [N]) from torchvision's arrays."""
     data = ds.data
     u8 = data if torch.is_tensor(data) else torch.from_numpy(np.ascontiguousarray(data))
     if u8.dtype != torch.uint8:
@@ -190,22 +190,61 @@ def _to_tensors(ds, dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
         u8 = u8.permute(0, 3, 1, 2)
     if tuple(u8.shape[1:]) != _SHAPES[dataset]:
         raise RuntimeError(f"{dataset}: expected images of shape {_SHAPES[dataset]}, got {tuple(u8.shape[1:])}")
-    x = u8.to(torch.float32, memory_format=torch.contiguous_format).div_(255.0).mul_(2.0).sub_(1.0)
     targets = ds.targets
     y = targets.to(torch.int64) if torch.is_tensor(targets) else torch.as_tensor(np.asarray(targets), dtype=torch.int64)
-    if y.shape != (x.shape[0],):
-        raise RuntimeError(f"{dataset}: {x.shape[0]} images but labels of shape {tuple(y.shape)}")
-    return x, y
+    if y.shape != (u8.shape[0],):
+        raise RuntimeError(f"{dataset}: {u8.shape[0]} images but labels of shape {tuple(y.shape)}")
+    return u8, y
 
 
-def _split(dataset: str, split: str, root, download: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole ``split`` of ``dataset`` as (images, labels): a loader's tensors, or torchvision's."""
+def _scale(u8: torch.Tensor) -> torch.Tensor:
+    """uint8 images -> float32 in [-1, 1] (a new contiguous tensor)."""
+    return u8.to(torch.float32, memory_format=torch.contiguous_format).div_(255.0).mul_(2.0).sub_(1.0)
+
+
+def _to_tensors(ds, dataset: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole split as (float32 [N, C, H, W] in [-1, 1], int64 [N]) from torchvision's arrays."""
+    u8, y = _uint8_split(ds, dataset)
+    return _scale(u8), y
+
+
+# Per process: the uint8 images and labels of each named split already read from disk. A sweep's
+# trials reuse their Ray worker, and reading and converting MNIST's 60,000 images was a quarter of
+# a small trial's time. The cache holds uint8 (47 MB for MNIST's training split); every caller gets
+# freshly converted float tensors, so no caller can alter what another one reads.
+_RAW: dict[tuple[str, str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _raw_split(dataset: str, split: str, root, download: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (dataset, split, str(_root(root)))
+    if key not in _RAW:
+        _RAW[key] = _uint8_split(_torchvision_dataset(dataset, _root(root), split == "train", download), dataset)
+    return _RAW[key]
+
+
+def _split(dataset: str, split: str, root, download: bool, idx: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``split`` of ``dataset`` as (images, labels), the rows ``idx`` (all if None): a loader's
+    tensors, or torchvision's (converted to [-1, 1] after selecting the rows)."""
     if is_custom(dataset):
         from dpmech.user_code import load_dataset as load_user
 
         x, y, xt, yt = load_user(dataset)
-        return (x, y) if split == "train" else (xt, yt)
-    return _to_tensors(_torchvision_dataset(dataset, _root(root), split == "train", download), dataset)
+        x, y = (x, y) if split == "train" else (xt, yt)
+        return (x, y) if idx is None else (x[idx], y[idx])
+    u8, y = _raw_split(dataset, split, root, download)
+    if idx is None:
+        return _scale(u8), y.clone()
+    return _scale(u8[idx]), y[idx]
+
+
+def _split_size(dataset: str, split: str, root, download: bool) -> int:
+    if is_custom(dataset):
+        from dpmech.user_code import load_dataset as load_user
+
+        x, _, xt, _ = load_user(dataset)
+        return int((x if split == "train" else xt).shape[0])
+    return int(_raw_split(dataset, split, root, download)[0].shape[0])
 
 
 def _load(dataset, split, size, seed, root, download, size_name) -> TensorDataset:
@@ -216,11 +255,11 @@ def _load(dataset, split, size, seed, root, download, size_name) -> TensorDatase
     v.positive_int("seed", seed, minimum=0)
     if not isinstance(download, bool):
         raise ValueError(f"download must be True or False, got {download!r}")
-    x, y = _split(dataset, split, root, download)
     if size is None:
-        return TensorDataset(x, y)
-    idx = torch.from_numpy(subset_indices(x.shape[0], size, seed, name=size_name))
-    return TensorDataset(x[idx], y[idx])
+        return TensorDataset(*_split(dataset, split, root, download))
+    total = _split_size(dataset, split, root, download)
+    idx = torch.from_numpy(subset_indices(total, size, seed, name=size_name))
+    return TensorDataset(*_split(dataset, split, root, download, idx))
 
 
 def ensure_available(dataset: str, *, root: str | Path | None = None) -> None:
@@ -289,11 +328,11 @@ def load_held_out(dataset: str, *, train_size: int | None, test_size: int | None
     for split, size, sub_seed in (("train", train_size, seed), ("test", test_size, seed + 1)):
         if size is None:
             continue
-        x, y = _split(dataset, split, root, True)
-        keep = np.ones(x.shape[0], dtype=bool)
-        keep[subset_indices(x.shape[0], size, sub_seed)] = False
+        total = _split_size(dataset, split, root, True)
+        keep = np.ones(total, dtype=bool)
+        keep[subset_indices(total, size, sub_seed)] = False
         if keep.any():
             idx = torch.from_numpy(np.flatnonzero(keep))
-            return TensorDataset(x[idx], y[idx])
+            return TensorDataset(*_split(dataset, split, root, True, idx))
     raise ValueError("audit_canaries: every example is in the training or evaluation set; set train_size or "
                      "test_size below the split's size so canaries can be drawn from the rest")

@@ -472,3 +472,24 @@ def test_ensure_available(tmp_path, monkeypatch):
                 monkeypatch.setattr(mod, attr, no_network)
     with pytest.raises(data.DatasetNotAvailable, match="fashion_mnist"):
         data.ensure_available("fashion_mnist", root=tmp_path)
+
+
+def test_named_splits_are_read_once_per_process_and_never_shared(monkeypatch):
+    """MNIST is read from disk once per process (a sweep's trials reuse their worker), and every
+    caller gets tensors of its own: changing one changes nothing another caller reads."""
+    from dpmech import data
+
+    calls = []
+    real = data._torchvision_dataset
+    monkeypatch.setattr(data, "_RAW", {})
+    monkeypatch.setattr(data, "_torchvision_dataset", lambda *a, **k: calls.append(a[:3]) or real(*a, **k))
+    first, _ = data.load_splits("mnist", train_size=300, test_size=100, seed=3)
+    first.tensors[0].add_(7.0)
+    again, _ = data.load_splits("mnist", train_size=300, test_size=100, seed=3)
+    whole = data.load_dataset("mnist", split="train")
+    assert len(calls) == 2  # train and test, once each
+    assert again.tensors[0].min() >= -1 and again.tensors[0].max() <= 1
+    idx = torch.from_numpy(data.subset_indices(60000, 300, 3))
+    assert torch.equal(again.tensors[0], whole.tensors[0][idx])
+    whole.tensors[1].zero_()
+    assert data.load_dataset("mnist", split="train").tensors[1].sum() > 0
