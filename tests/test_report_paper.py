@@ -185,3 +185,25 @@ def test_loss_near_chance_is_a_hint_in_the_table_not_a_verdict():
     assert rows["a"]["learned"] == "hint: train loss near ln K in 1/1"
     assert rows["b"]["learned"].startswith("! 1/1 did not learn")
     assert "learned" not in rows["c"]
+
+
+def test_fig6_layout_keeps_the_other_swept_keys_apart(tmp_path, monkeypatch):
+    """Fig. 6's certified-accuracy curves used to average every trial of a (mechanism, epsilon) pair,
+    pooling two clipping norms into one line; now a line per value of the other swept keys."""
+    import pandas as pd
+
+    from sweeps import report_plots as rp
+    from sweeps.report_data import Sweep
+
+    figs = _capture(monkeypatch)
+    rows, tables = [], {}
+    for i, mgn in enumerate((0.1, 1.0)):
+        rows.append({"run_id": f"r{i}", "run": f"r{i}", "trainable": "secure_sgd", "status": "FINISHED",
+                     "param.epsilon": 2.0, "param.max_grad_norm": mgn, "epsilon": 2.0, "acc_clean": 0.9})
+        tables[(f"r{i}", "native")] = pd.DataFrame({"label": [1, 2, 3], "prediction": [1, 2, 0],
+                                                   "certified_size": [0.1 * (i + 1), 0.3, 0.0]})
+    sweep = Sweep(None, "e", "sqlite://", None, pd.DataFrame(rows), tables)
+    assert rp.plot_certified_vs_size_by_mechanism(sweep, tmp_path / "fig6.png")
+    legend = [t.get_text() for t in figs["fig6.png"].axes[0].get_legend().get_texts()]
+    assert len(legend) == 2 and any("max_grad_norm=0.1" in t for t in legend) and any("max_grad_norm=1" in t for t in legend)
+    assert (tmp_path / "fig6.pdf").exists()
