@@ -98,7 +98,8 @@ REGISTRY: dict[str, TrainableEntry] = {
         "train-on-synthetic accuracy (docs/dpgan.md).",
         epsilon_protects="training examples (RDP/PLD ledger of the critic's steps)",
         privacy_event="trainables.dpgan:privacy_event",
-        privacy_keys=("epsilon", "delta", "epochs", "batch_size", "train_size", "dataset")),
+        privacy_keys=("epsilon", "delta", "epochs", "batch_size", "train_size", "dataset", "fake_labels",
+                      "histogram_noise")),
     "dp_merf": TrainableEntry(
         "dp_merf", "trainables.dp_merf:dp_merf", DPMERFTrialConfig,
         "DP-MERF (Harder et al. 2021): one Gaussian release of the random-Fourier-feature mean embedding of (image, "
