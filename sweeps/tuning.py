@@ -73,8 +73,26 @@ def check_tuning_spec(spec: "SweepSpec") -> None:
     if s.metric is None:
         raise SpecError("search.metric: required with tuning_privacy (with search.mode): it selects the one "
                         "trial that is released")
+    if not private_selection_metric(s.metric):
+        raise SpecError(f"search.metric: {s.metric} is computed on the private training data without noise; with "
+                        "tuning_privacy the selection must use a metric computed without the training data "
+                        f"({', '.join(PRIVATE_SELECTION_METRICS)}, acc_<attack>_<size>, cert_*)")
     if len(spec.trainables) != 1:
         raise SpecError(f"trainables: tuning_privacy tunes one trainable, got {len(spec.trainables)}")
+
+
+# Metrics computed without touching the training data (held-out test set, or samples of a trained
+# generator scored on real held-out data): only these may select the released trial under
+# tuning_privacy, since Papernot & Steinke's theorem covers a selection that is a function of the
+# private trials' outputs. train_loss, train_acc, not_learned (a function of the noise-free
+# train_loss), batch_size_mean, clipped_fraction and wasserstein read the training data without noise.
+PRIVATE_SELECTION_METRICS = ("acc_clean", "test_acc", "tstr_acc", "sample_quality", "sample_confidence",
+                             "classifier_score")
+
+
+def private_selection_metric(metric: str) -> bool:
+    """Whether ``metric`` is computed without the private training data (see PRIVATE_SELECTION_METRICS)."""
+    return metric in PRIVATE_SELECTION_METRICS or metric.startswith(("acc_", "cert_"))
 
 
 def check_tuning_space(spec: "SweepSpec") -> None:
