@@ -366,7 +366,8 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     if failed:
         print(f"{failed} trial(s) failed after their retries; logs under {exp_dir}")
     if best is not None:
-        print(describe_best(best, list(dict.fromkeys(k for r in rows for k in r if k.startswith("cfg."))), len(rows)))
+        cfg_keys = dict.fromkeys(k for r in rows for k in r if k.startswith("cfg."))
+        print(describe_best(best, [k for k in cfg_keys if len({str(r.get(k)) for r in rows}) > 1], len(rows)))
     print(f"report:   {_tool('dpsweep')} report {experiment} --tracking-uri {tracking_uri} --out report/")
     print(f"MLflow:   {mlflow_ui_hint(tracking_uri, info['experiment_id'])}")
     if best is not None and best.compare_url:
