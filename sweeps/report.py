@@ -459,7 +459,8 @@ def _best_section(sweep: Sweep, tracking_uri: str) -> list[str]:
         agg = aggregate(fin, [])
         label = dict(zip(agg["group"], agg["label"])).get(best["group"], best.get("trainable", ""))
         private = "tuning_epsilon" in sweep.parent_metrics
-        lines.append(f"By `search.metric` = `{metric}` ({mode}): **`{best['run']}`** ({label}), {metric} = "
+        label = "" if str(label) in str(best["run"]) else f" ({label})"  # child runs are named after it
+        lines.append(f"By `search.metric` = `{metric}` ({mode}): **`{best['run']}`**{label}, {metric} = "
                      f"{float(best[metric]):.4g}, MLflow run `{best['run_id']}`"
                      + (f" (tagged `dpsweep.best_run_id` on the parent run)" if tags.get("dpsweep.best_run_id") else "")
                      + ".")
