@@ -1,0 +1,148 @@
+"""The audit estimators beside Steinke et al.'s: Mahloujifar et al.'s f-DP one-run bound
+(dpmech.audit_fdp) and the GDP per-step estimate (dpmech.audit_gdp), each cross-checked against
+an independent implementation written here, with statistical checks and negative controls."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import integrate
+from scipy.stats import norm
+
+from dpmech.audit import epsilon_lower_bound
+from dpmech.audit_fdp import eps_delta_lower_bound, fdp_epsilon_lower_bound, mu_lower_bound, rejects, \
+    gaussian_inverse_blowup
+from dpmech.audit_gdp import compose_mu, estimate_gdp, gdp_delta, gdp_epsilon
+
+
+# ----------------------------------------------------------------------------- GDP conversions
+def _delta_by_quadrature(mu, eps):
+    """delta(eps) = E_P[(1 - e^(eps - L))_+] with the privacy loss L ~ N(mu^2 / 2, mu^2) under P."""
+    f = lambda l: (1 - math.exp(eps - l)) * norm.pdf(l, mu * mu / 2, mu)
+    return integrate.quad(f, eps, mu * mu / 2 + 40 * mu, limit=200)[0]
+
+
+@pytest.mark.parametrize("mu, eps", [(0.5, 0.5), (1.0, 2.0), (2.0, 5.0), (3.0, 1.0)])
+def test_gdp_delta_matches_the_privacy_loss_integral(mu, eps):
+    assert gdp_delta(mu, eps) == pytest.approx(_delta_by_quadrature(mu, eps), rel=1e-6, abs=1e-14)
+
+
+@pytest.mark.parametrize("mu, expected", [(2.0, 9.997), (1.0, 4.377), (0.5, 1.993), (0.25, 0.926)])
+def test_gdp_epsilon_inverts_delta(mu, expected):
+    eps = gdp_epsilon(mu, 1e-5)
+    assert eps == pytest.approx(expected, abs=1e-3)
+    assert gdp_delta(mu, eps) == pytest.approx(1e-5, rel=1e-6)
+
+
+def test_composition_is_root_sum_of_squares():
+    assert compose_mu([0.3] * 16) == pytest.approx(1.2)
+    assert compose_mu([3.0, 4.0]) == pytest.approx(5.0)
+
+
+def test_gdp_estimate_recovers_mu_of_simulated_steps():
+    rng = np.random.default_rng(0)
+    T, n, mu_step = 25, 4000, 0.2
+    ins = rng.normal(mu_step, 1.0, (T, n))
+    outs = rng.normal(0.0, 1.0, (T, n))
+    est = estimate_gdp(ins, outs, delta=1e-5, same_mu=True)
+    assert est["mu"] == pytest.approx(math.sqrt(T) * mu_step, rel=0.08)
+    assert est["epsilon"] == pytest.approx(gdp_epsilon(1.0, 1e-5), rel=0.12)
+    # negative control: no difference between in and out -> an estimate near 0
+    null = estimate_gdp(rng.normal(0, 1, (T, n)), outs, delta=1e-5)
+    assert null["mu"] < 0.3
+
+
+def test_gdp_estimate_refuses_bad_input():
+    with pytest.raises(ValueError, match="in_stats, out_stats: need one row per step"):
+        estimate_gdp(np.zeros((2, 5)), np.zeros((3, 5)), delta=1e-5)
+    with pytest.raises(ValueError, match="zero spread"):
+        estimate_gdp(np.zeros((2, 5)), np.zeros((2, 5)), delta=1e-5)
+
+
+# ----------------------------------------------------------------------------- f-DP one-run bound
+def _paper_grid_bound(m, r, v, beta=0.05):
+    """Independent implementation: the recursion written from the paper's statement with plain
+    lists, searched over a noise grid sigma = 0.01, 0.02, ... (mu = 1 / sigma) as the paper's
+    algorithm does (small noise first); returns the first, i.e. largest, rejected mu on the grid."""
+    for j in range(1, 4000):
+        mu = 1.0 / (0.01 * j)
+        scale = beta * r / m
+        h = [0.0] * (v + 1)
+        rr = [0.0] * (v + 1)
+        h[v], rr[v] = scale * (r - v) / r, scale * v / r
+        for i in range(v - 1, -1, -1):
+            h[i] = max(h[i + 1], norm.cdf(norm.ppf(min(rr[i + 1], 1.0)) - mu))
+            rr[i] = rr[i + 1] + i / (r - i) * (h[i] - h[i + 1])
+        if rr[0] + h[0] > r / m:
+            return mu
+    return 0.0
+
+
+@pytest.mark.parametrize("m, r, v", [(1000, 200, 190), (1000, 100, 80), (500, 50, 50), (2000, 400, 300)])
+def test_mu_bound_matches_the_grid_search_of_the_paper(m, r, v):
+    exact = mu_lower_bound(m, r, v)
+    grid = _paper_grid_bound(m, r, v)
+    assert 0 < grid <= exact + 1e-6
+    sigma = 1 / grid   # the grid's next (smaller) noise level was not rejected: exact < 1 / (sigma - 0.01)
+    assert exact < 1 / (sigma - 0.01) + 1e-6
+
+
+def _idealised_counts(rng, m, mu, k):
+    """Gaussian mechanism per canary: score ~ N(mu * S, 1); guess the top k "in", bottom k "out"."""
+    s = rng.random(m) < 0.5
+    x = rng.normal(size=m) + mu * s
+    order = np.argsort(x)
+    return 2 * k, int(s[order[-k:]].sum() + (~s[order[:k]]).sum())
+
+
+def test_fdp_bound_holds_its_level_and_beats_steinke():
+    """40 one-run audits of an exactly 1-GDP mechanism: the 95% lower bound on mu exceeds the true
+    mu in at most 4 of them (Binomial(40, 0.05) >= 5 has probability 0.14 at the boundary), and
+    the f-DP epsilon bound is at least Steinke's in every run."""
+    rng = np.random.default_rng(7)
+    above, fdp_ge_steinke = 0, 0
+    for _ in range(40):
+        r, v = _idealised_counts(rng, 1000, 1.0, 50)
+        above += mu_lower_bound(1000, r, v) > 1.0
+        fdp = fdp_epsilon_lower_bound(1000, r, v, delta=1e-5)
+        fdp_ge_steinke += fdp >= epsilon_lower_bound(r, v, delta=1e-5, m=1000) - 1e-9
+    assert above <= 4
+    assert fdp_ge_steinke == 40
+
+
+def test_fdp_refutes_a_mechanism_that_leaks_more_than_claimed():
+    """Negative control: a 3-GDP mechanism audited against the claim mu = 1 is refuted in most runs."""
+    rng = np.random.default_rng(8)
+    refuted = sum(mu_lower_bound(1000, *_idealised_counts(rng, 1000, 3.0, 100)) > 1.0 for _ in range(10))
+    assert refuted >= 9
+
+
+def test_eps_delta_curve_test_is_a_valid_bound_for_randomized_response():
+    """(eps, 0)-DP randomized response on every canary (right with probability e^eps / (1 + e^eps)):
+    the curve test's 95% bound stays below eps in >= 36 of 40 runs."""
+    rng = np.random.default_rng(9)
+    eps, m = 2.0, 400
+    p = math.exp(eps) / (1 + math.exp(eps))
+    over = sum(eps_delta_lower_bound(m, m, int(rng.binomial(m, p)), delta=0.0) > eps for _ in range(40))
+    assert over <= 4
+
+
+def test_rejects_nothing_without_right_guesses_and_validates_counts():
+    assert not rejects(100, 10, 0, gaussian_inverse_blowup(5.0))
+    assert mu_lower_bound(100, 10, 0) == 0.0
+    with pytest.raises(ValueError, match="v_correct <= r <= m"):
+        mu_lower_bound(10, 20, 5)
+
+
+def test_idealised_gaussian_table_orders_as_the_paper_reports():
+    """The idealised Gaussian mechanism at the paper's four noise levels (mu = 2, 1, 0.5, 0.25;
+    theory 9.99 / 4.37 / 1.99 / 0.92 at delta 1e-5), m = 1000, expected counts: the f-DP bound is
+    above Steinke's and below the theory at every level (benchmarks/audit_mnist.py's gaussian_table;
+    the paper's exact m and guess counts are not reproduced, see docs/audit.md)."""
+    from benchmarks.audit_mnist import gaussian_table_row
+
+    for mu in (2.0, 1.0, 0.5, 0.25):
+        row = gaussian_table_row(mu, m=1000)
+        assert row["steinke"] < row["fdp"] < row["theory"]
