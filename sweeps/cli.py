@@ -8,7 +8,6 @@ Exit codes: 0 success; 2 invalid input (reported before Ray starts or any MLflow
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import sys
@@ -156,6 +155,25 @@ def cmd_mechanisms(args) -> int:
 
 
 def cmd_run(args) -> int:
+    """``dpsweep run`` under ``sweeps.signals.Interrupts``: SIGINT or SIGTERM at any moment exits
+    130 or 143 (issue 24, point 10). Before the parent run exists nothing is recorded; from then
+    on the sweep stops through ``_interrupted``: the parent run and its RUNNING child runs KILLED,
+    the resume command printed."""
+    from sweeps.signals import Interrupts
+
+    sweep: dict = {}  # the parent run's info, the experiment directory and the trial count, once they exist
+    with Interrupts() as interrupts:
+        try:
+            return _run(args, interrupts, sweep)
+        except KeyboardInterrupt:
+            if "info" in sweep:
+                return _interrupted(sweep["info"], sweep["exp_dir"], None, sweep["total"], interrupts)
+            print(f"dpsweep: interrupted ({interrupts.name}) before the sweep started: no MLflow run was "
+                  f"created, nothing to resume", file=sys.stderr, flush=True)
+            return interrupts.exit_code
+
+
+def _run(args, interrupts, sweep: dict) -> int:
     from sweeps.spec import SpecError, expand_trials, load_spec, ray_param_space, spec_to_flat_params
 
     try:
@@ -208,12 +226,11 @@ def cmd_run(args) -> int:
             _err(f"dataset {name!r} is not available: {exc}")
             return EXIT_FAILED
 
-    from sweeps.runner import build_tuner, ray_init, save_state, swept_keys
+    from sweeps.runner import build_tuner, ray_init, save_state, swept_keys, unique_run_name
     from sweeps.tracking import start_parent_run
 
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_name = f"{spec.name}-{stamp}"
     ray_init(spec)
+    interrupts.install()  # ray.init replaced the SIGTERM handler with one that exits at once
     from sweeps.cluster_checks import StorageRefused, artifact_warning, preflight
 
     try:  # on a cluster: shared storage, a tracking server (docs/cluster.md); before any MLflow run
@@ -224,11 +241,14 @@ def cmd_run(args) -> int:
     gpu = _trial_gpu(spec)
     if gpu is None:
         return EXIT_INVALID
+    interrupts.begin_graceful()  # from the parent run on, a first signal stops the sweep through Tune
+    run_name = unique_run_name(spec.name, storage)  # <name>-<timestamp>-<random>: its own directory
+    exp_dir = f"{storage.rstrip('/')}/{run_name}"
     info = start_parent_run(tracking_uri, spec.mlflow.experiment or spec.name, run_name, spec.raw,
                             spec_to_flat_params(spec))
+    sweep.update(info=info, exp_dir=exp_dir, total=total)
     info["swept"] = swept_keys(spec, trials)  # names the child runs
     artifact_warning(info)
-    exp_dir = f"{storage.rstrip('/')}/{run_name}"
     if "://" not in storage:
         save_state(Path(exp_dir), {"spec": spec.raw, "mlflow": info, "run_name": run_name, "total": total,
                                    "gpu": gpu})
@@ -243,7 +263,7 @@ def cmd_run(args) -> int:
         return EXIT_OK
     tuner = build_tuner(spec, storage=storage, run_name=run_name, mlflow_info=info, param_space=param_space,
                         total=total, gpu=gpu)
-    return _fit_and_finish(tuner, info, exp_dir, tracking_uri, spec, total)
+    return _fit_and_finish(tuner, info, exp_dir, tracking_uri, spec, total, interrupts)
 
 
 def _trial_gpu(spec) -> float | None:
@@ -293,41 +313,90 @@ def mlflow_ui_hint(tracking_uri: str, experiment_id) -> str:
     return f"{_tool('mlflow')} ui --backend-store-uri {tracking_uri}, then open http://127.0.0.1:5000/{page}"
 
 
-def _unfinished(results, total: int | None) -> tuple[int, int]:
-    """(trials the sweep has not finished: neither terminated nor errored, or never created; trials
-    finished). Ray returns from ``fit`` with unfinished trials only when it was interrupted."""
+def _unfinished(results, total: int | None, *, interrupted: bool = False, early_stops: bool = False,
+                finished_ids=frozenset()) -> tuple[int, int]:
+    """(trials the sweep has not finished, trials finished): one definition for the interrupt line,
+    the console's ``[k/N]`` and ``resume`` (issue 24, point 11). A trial finished when Ray has its
+    final result (``sweeps.runner.finished``) or its MLflow child run is FINISHED (``finished_ids``:
+    it finished, but the sweep stopped before Ray had that result; ``resume`` reports it from MLflow
+    without running it again). Errored trials are failures, not unfinished. Ray's TERMINATED does
+    not mean finished: Ray's clean-up after an interrupt marks the running trials TERMINATED; only
+    a scheduler (``early_stops``, and no interrupt) stops a trial for good before its evaluation.
+    Trials never created (``total`` minus the trials Ray has) are unfinished."""
+    from sweeps.runner import finished
+
     trials = list(getattr(results, "_experiment_analysis").trials)
-    open_ = sum(t.status not in ("TERMINATED", "ERROR") for t in trials)
-    done = sum(t.status == "TERMINATED" for t in trials)
-    return open_ + max(0, (total or 0) - len(trials)), done
+    done = closed = 0
+    for t in trials:
+        if finished(t) or t.trial_id in finished_ids:
+            done += 1
+        elif t.status == "ERROR" or (t.status == "TERMINATED" and early_stops and not interrupted):
+            closed += 1
+    return len(trials) - done - closed + max(0, (total or 0) - len(trials)), done
 
 
-def _interrupted(info: dict, exp_dir: str, done: int | None, total: int | None) -> int:
-    """Ctrl-C: the parent run (and its RUNNING child runs) KILLED; say how to resume."""
+def _finished_in_mlflow(info: dict) -> set[str]:
+    """The trial ids whose child run under the parent is FINISHED (empty if MLflow cannot say)."""
+    from sweeps.tracking import child_statuses
+
+    try:
+        return {trial for trial, status in child_statuses(info).items() if status == "FINISHED"}
+    except Exception:  # noqa: BLE001 - the count is a courtesy; Ray's results still decide
+        return set()
+
+
+def _stop_ray() -> None:
+    """Shut Ray down (its trial processes with it), so none is left to write to its child run."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    except Exception:  # noqa: BLE001 - the records and the resume line matter more
+        pass
+
+
+def _interrupted(info: dict, exp_dir: str, done: int | None, total: int | None, interrupts=None) -> int:
+    """An interrupted sweep (SIGINT, SIGTERM, a second one; at any moment once the parent run
+    exists): Ray is shut down first, so no trial process is left to touch its child run (one killed
+    while logging would leave it RUNNING, or set it RUNNING again); then the parent run and every
+    child run still RUNNING are KILLED, shielded from further signals (``sweeps.signals``), and the
+    resume command is printed. Exit 130 (SIGINT) or 143 (SIGTERM)."""
+    import contextlib
+
     from sweeps.tracking import stop_parent_run
 
     resume = f"{_tool('dpsweep')} resume {exp_dir}"
-    try:
-        stop_parent_run(info, "KILLED", f"interrupted; resume with: {resume}")
-    except Exception as exc:  # noqa: BLE001 - the resume line matters more
-        _err(f"could not mark the MLflow parent run KILLED: {exc}")
-    left = f"{done} of {total} trials finished; " if done is not None and total else ""
-    print(f"dpsweep: interrupted: {left}MLflow parent run {info['parent_run_id']} KILLED; "
-          f"continue with: {resume}", file=sys.stderr, flush=True)
-    return EXIT_INTERRUPTED
+    with interrupts.shield() if interrupts is not None else contextlib.nullcontext():
+        _stop_ray()
+        try:
+            stop_parent_run(info, "KILLED", f"interrupted; resume with: {resume}")
+        except Exception as exc:  # noqa: BLE001 - the resume line matters more
+            _err(f"could not mark the MLflow parent run KILLED: {exc}")
+        if done is None:
+            done = len(_finished_in_mlflow(info))
+        left = f"{done} of {total} trials finished; " if total else ""
+        how = f" ({interrupts.name})" if interrupts is not None and interrupts.interrupted else ""
+        print(f"dpsweep: interrupted{how}: {left}MLflow parent run {info['parent_run_id']} KILLED; "
+              f"continue with: {resume}", file=sys.stderr, flush=True)
+    return interrupts.exit_code if interrupts is not None else EXIT_INTERRUPTED
 
 
-def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, total: int | None = None) -> int:
+def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, total: int | None = None,
+                    interrupts=None) -> int:
+    import contextlib
+
     from sweeps.runner import NOT_LEARNED_LEGEND, format_table, summarize
     from sweeps.tracking import finish_parent_run, record_selection, stop_parent_run
 
     experiment = spec.mlflow.experiment or spec.name
     try:
-        # Ray catches the first SIGINT itself (it stops the trials, saves the experiment state and
-        # returns); a second one raises KeyboardInterrupt here
-        results = tuner.fit()
+        # the first SIGINT/SIGTERM stops Tune gracefully (it stops the trials, saves the experiment
+        # state and returns; sweeps/signals.py); a second one raises KeyboardInterrupt here
+        with interrupts.graceful() if interrupts is not None else contextlib.nullcontext():
+            results = tuner.fit()
     except KeyboardInterrupt:
-        return _interrupted(info, exp_dir, None, total)
+        return _interrupted(info, exp_dir, None, total, interrupts)
     except Exception as exc:  # noqa: BLE001 - a crashed sweep must not leave its parent RUNNING
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         try:
@@ -337,9 +406,11 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
         _err(f"the sweep crashed ({type(exc).__name__}: {first}); MLflow parent run {info['parent_run_id']} "
              f"FAILED; logs under {exp_dir}")
         return EXIT_FAILED
-    unfinished, done = _unfinished(results, total)
-    if unfinished:
-        return _interrupted(info, exp_dir, done, total)
+    interrupted = interrupts is not None and interrupts.interrupted
+    unfinished, done = _unfinished(results, total, interrupted=interrupted, early_stops=spec.scheduler.type != "none",
+                                   finished_ids=_finished_in_mlflow(info))
+    if interrupted or unfinished:
+        return _interrupted(info, exp_dir, done, total, interrupts)
     rows, summary, failed = summarize(results, extra_metrics=[spec.search.metric] if spec.search.metric else [])
     tuning = None
     if spec.tuning_privacy is not None:
@@ -378,6 +449,24 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
 
 
 def cmd_resume(args) -> int:
+    """``dpsweep resume EXPERIMENT_PATH``: finish an interrupted sweep, under the same signal
+    handling as ``run`` (``cmd_run``): interrupted again, it exits 130/143 with the parent run
+    KILLED and the same resume command."""
+    from sweeps.signals import Interrupts
+
+    sweep: dict = {}
+    with Interrupts() as interrupts:
+        try:
+            return _resume(args, interrupts, sweep)
+        except KeyboardInterrupt:
+            if "info" in sweep:
+                return _interrupted(sweep["info"], sweep["exp_dir"], None, sweep["total"], interrupts)
+            print(f"dpsweep: interrupted ({interrupts.name}) before the sweep resumed: nothing changed",
+                  file=sys.stderr, flush=True)
+            return interrupts.exit_code
+
+
+def _resume(args, interrupts, sweep: dict) -> int:
     from ray import tune
 
     from sweeps.runner import load_state, ray_init
@@ -394,8 +483,10 @@ def cmd_resume(args) -> int:
     if not _tracking_ok(state["mlflow"]["tracking_uri"]):
         return EXIT_INVALID
     ray_init(spec)
+    interrupts.install()  # ray.init replaced the SIGTERM handler with one that exits at once
     from sweeps.cluster_checks import StorageRefused, preflight
-    from sweeps.runner import trial_resources
+    from sweeps.runner import build_tuner, trial_resources
+    from sweeps.spec import ray_param_space
     from sweeps.tracking import reopen_parent_run
 
     try:
@@ -406,14 +497,22 @@ def cmd_resume(args) -> int:
     gpu = _trial_gpu(spec)
     if gpu is None:
         return EXIT_INVALID
-    trainable = tune.with_resources(dispatch, trial_resources(spec, gpu))
-    # Ray restores the experiment's callbacks (progress lines, checkpoint clean-up) with it
-    tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, restart_errored=True)
     info = state["mlflow"]
+    total = state.get("total")
+    if tune.Tuner.can_restore(str(exp_dir)):
+        trainable = tune.with_resources(dispatch, trial_resources(spec, gpu))
+        # Ray restores the experiment's callbacks (progress lines, checkpoint clean-up) with it
+        tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, restart_errored=True)
+    else:  # interrupted before Tune saved any experiment state: the trials start under the same parent run
+        tuner = build_tuner(spec, storage=str(exp_dir.parent), run_name=state.get("run_name") or exp_dir.name,
+                            mlflow_info=info, param_space=ray_param_space(spec), total=total,
+                            gpu=state.get("gpu", gpu))
+    interrupts.begin_graceful()
     reopen_parent_run(info)
+    sweep.update(info=info, exp_dir=str(exp_dir), total=total)
     print(f"resuming {exp_dir}; MLflow parent run {info['parent_run_id']}", flush=True)
     _say_where(spec, info, str(exp_dir))
-    return _fit_and_finish(tuner, info, str(exp_dir), info["tracking_uri"], spec, state.get("total"))
+    return _fit_and_finish(tuner, info, str(exp_dir), info["tracking_uri"], spec, total, interrupts)
 
 
 def cmd_report(args) -> int:

@@ -20,8 +20,19 @@ from trainables.dispatch import dispatch
 STATE_FILE = "dpsweep.json"
 
 
+def finished(trial) -> bool:
+    """Whether a trial finished: Ray has its final result (``evaluated`` = 1). The trial closes its
+    MLflow child run FINISHED just before reporting that result, and a trial whose child run is
+    already FINISHED reports the run's metrics on restore instead of training again
+    (``trainables.runtime``), so this and MLflow agree once the sweep ends; Ray's TERMINATED does
+    not mean finished (an interrupted sweep's running trials end TERMINATED too, issue 24)."""
+    return bool((trial.last_result or {}).get("evaluated"))
+
+
 class ProgressPrinter(tune.Callback):
-    """One line per epoch result and per finished or failed trial."""
+    """One line per epoch result and per finished, stopped or failed trial. The ``[k/N]`` count
+    is of the finished trials (``finished``) among all the experiment's trials, restored ones
+    included, so a resumed sweep continues the count instead of restarting it."""
 
     def __init__(self, total: int | None = None):
         self.total = total
@@ -45,8 +56,11 @@ class ProgressPrinter(tune.Callback):
                       f"train_loss {result['train_loss']:.4f}, test_acc {result.get('test_acc', float('nan')):.4f}")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
-        self.done += 1
         r = trial.last_result or {}
+        if not finished(trial):  # a scheduler (ASHA) stopped it before its evaluation
+            self._say(f"stopped  {trial.trial_id} by the scheduler after epoch {r.get('epoch', 0)} (not evaluated)")
+            return
+        self.done = sum(finished(t) for t in trials) if trials else self.done + 1
         keys = [k for k in ("acc_clean", "epsilon") if k in r]
         keys += sorted(k for k in r if k.startswith("cert_acc_"))[:3]
         shown = ", ".join(f"{k} {r[k]:.4f}" for k in keys)
@@ -188,8 +202,21 @@ def trial_resources(spec, gpu: float | None = None) -> dict:
     return {"cpu": spec.resources.cpu, "gpu": 0.0 if value == "auto" else float(value)}
 
 
+class ForwardInterrupt(tune.Callback):
+    """At each step of Tune's loop: a SIGINT/SIGTERM that came before ``fit()`` had installed its
+    handler stops the loop now (``sweeps.signals``), so Tune saves the experiment state and
+    ``dpsweep resume`` can finish the sweep."""
+
+    def on_step_begin(self, iteration, trials, **info):
+        from sweeps.signals import active
+
+        interrupts = active()
+        if interrupts is not None:
+            interrupts.forward()
+
+
 def callbacks(spec, total: int | None) -> list:
-    out = [ProgressPrinter(total)]
+    out = [ProgressPrinter(total), ForwardInterrupt()]
     if not spec.keep_checkpoints:
         out.append(CheckpointCleaner())
     return out
@@ -219,6 +246,27 @@ def build_tuner(spec, *, storage: str, run_name: str, mlflow_info: dict, param_s
         verbose=0,
     )
     return tune.Tuner(trainable, param_space=space, tune_config=tune_config, run_config=run_config)
+
+
+def unique_run_name(name: str, storage: str) -> str:
+    """``<name>-<YYYYmmdd-HHMMSS>-<6 hex digits>``: names the sweep's directory ``<storage>/<run
+    name>`` and its MLflow parent run. On local storage the directory is created here, exclusively,
+    so two sweeps with the same name started in the same second never share it (issue 24, point
+    11: they shared ``ray_results/<name>-<timestamp>``, its experiment state and ``dpsweep.json``);
+    on remote storage (``s3://``) the random part keeps them apart."""
+    import datetime as dt
+    import secrets
+
+    for _ in range(100):
+        run_name = f"{name}-{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+        if "://" in storage:
+            return run_name
+        try:
+            (Path(storage) / run_name).mkdir(parents=True, exist_ok=False)
+        except FileExistsError:
+            continue
+        return run_name
+    raise RuntimeError(f"storage {storage}: no unused directory name for sweep {name!r} after 100 tries")
 
 
 def save_state(experiment_dir: Path, state: dict) -> None:

@@ -215,6 +215,20 @@ def stop_parent_run(info: dict, status: str, note: str) -> int:
     return len(running)
 
 
+def child_statuses(info: dict) -> dict[str, str]:
+    """The status of each child run under the sweep's parent run, by Ray trial id
+    (``dpsweep.trial_id``): which trials MLflow has FINISHED (issue 24, point 11)."""
+    from mlflow.tracking import MlflowClient
+
+    from trainables.tracking import TAG_PARENT, TAG_TRIAL
+
+    client = MlflowClient(info["tracking_uri"])
+    runs = retry(lambda: client.search_runs(
+        [str(info["experiment_id"])], filter_string=f"tags.`{TAG_PARENT}` = '{info['parent_run_id']}'",
+        max_results=10000), what="search_runs(children)")
+    return {r.data.tags[TAG_TRIAL]: r.info.status for r in runs if TAG_TRIAL in r.data.tags}
+
+
 def finish_parent_run(info: dict, summary: dict[str, float], status: str) -> None:
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient

@@ -118,6 +118,30 @@ def _load_checkpoint(directory: Path, device: torch.device) -> tuple[dict, dict]
     return state, meta
 
 
+def finished_run_metrics(info: dict, trial_id: str) -> dict[str, float] | None:
+    """The metrics of the trial's child run (the latest value of each: the final metrics and the
+    last epoch's) if MLflow already has the run FINISHED, else None.
+
+    A trial closes its child run FINISHED just before it reports its final result to Ray; an
+    interrupt or a crash in between leaves Ray without that result, and ``dpsweep resume`` (or a
+    retry) would train and evaluate the trial again. ``run_trial`` reports these metrics as the
+    final result instead and leaves the run as it is: MLflow's FINISHED is what finished
+    (issue 24, point 11)."""
+    from mlflow.tracking import MlflowClient
+
+    from trainables.tracking import TAG_PARENT, TAG_TRIAL, retry
+
+    client = MlflowClient(info["tracking_uri"])
+    flt = f"tags.`{TAG_TRIAL}` = '{trial_id}'"
+    if info.get("parent_run_id"):
+        flt += f" and tags.`{TAG_PARENT}` = '{info['parent_run_id']}'"
+    runs = retry(lambda: client.search_runs([str(info["experiment_id"])], filter_string=flt, max_results=1),
+                 what="search_runs(trial)")
+    if not runs or runs[0].info.status != "FINISHED":
+        return None
+    return dict(runs[0].data.metrics)
+
+
 def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable: str) -> None:
     """Run one trial under Ray Tune (see the module docstring); results go to ``tune.report``.
 
@@ -130,6 +154,11 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
     from trainables.tracking import TAG_DEVICE, TrialTracker, run_name
 
     cfg = validate_config(config, schema)
+    info = mlflow_info(config)
+    done = finished_run_metrics(info, tune.get_context().get_trial_id()) if info else None
+    if done is not None:  # it finished, but Ray never had its final result: report it, run nothing
+        tune.report({**done, "epoch": cfg.epochs, "evaluated": 1.0})
+        return
     device = _device()
     train, test = load_splits(cfg.dataset, train_size=cfg.train_size, test_size=cfg.test_size, seed=cfg.data_seed)
     x, y = (t.to(device) for t in train.tensors)
@@ -151,7 +180,6 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
 
     ctx = tune.get_context()
     tracker = None
-    info = mlflow_info(config)
     if info:
         dumped = cfg.model_dump()
         name = run_name(trainable, dumped, (info.get("swept") or {}).get(trainable, ()))
