@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 2 invalid input (reported before Ray starts or any MLflow run exists);
 1 trials that still failed after their retries, or a runtime failure (the parent run FAILED);
-130 interrupted (Ctrl-C / SIGINT: the parent run KILLED, ``dpsweep resume`` finishes it).
+130 interrupted (Ctrl-C / SIGINT: the parent run KILLED, ``dpsweep resume`` finishes it); 143 the
+same for SIGTERM (``sweeps.signals``).
 """
 
 from __future__ import annotations
