@@ -74,10 +74,19 @@ def dpgan_config(cfg: DPGANTrialConfig) -> DPGANConfig:
     return DPGANConfig(**{k: getattr(cfg, k) for k in _TRAINER_KEYS})
 
 
+def planned_train_size(cfg: DPGANTrialConfig) -> int:
+    """N of the privacy plan: ``train_size``, or the full training split (a public number; the
+    trainer plans q, steps and sigma from it, never from the size of the data it is handed)."""
+    from dpmech.dpgan.config import TRAIN_SPLIT_SIZE
+
+    return int(cfg.train_size) if cfg.train_size is not None else TRAIN_SPLIT_SIZE[cfg.dataset]
+
+
 def privacy_event(cfg: DPGANTrialConfig):
     """The trial's planned dp-accounting event (the label histogram's Gaussian release when
-    ``fake_labels`` is dp_histogram, then the Poisson-subsampled Gaussian critic steps)."""
-    return planned_event(dpgan_config(cfg), cfg.train_size)
+    ``fake_labels`` is dp_histogram, then the Poisson-subsampled Gaussian critic steps): exactly
+    what the trainer's ledger records when the trial runs to the end, audit canaries or not."""
+    return planned_event(dpgan_config(cfg), planned_train_size(cfg))
 
 
 def judge_data(cfg: DPGANTrialConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -101,7 +110,8 @@ class DPGANMechanism(TrainerMechanism):
     def __init__(self, cfg: DPGANTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
         self.cfg = cfg
         self.trainer = DPGANTrainer(dpgan_config(cfg), x, y, device=device, judge_data=judge_data(cfg),
-                                    judge_epochs=cfg.judge_epochs, eval_samples=cfg.eval_samples)
+                                    judge_epochs=cfg.judge_epochs, eval_samples=cfg.eval_samples,
+                                    plan_size=planned_train_size(cfg))
 
     def privacy(self):
         return {k: float(v) for k, v in self.trainer.privacy().items()}

@@ -3,7 +3,8 @@
 Critic step (Alg. 1 lines 3-9), with the paper's assumption on c_g *enforced*:
 
 * line 4: a real batch drawn by Poisson sampling, each training example independently with
-  probability q = m / N (explicit generator); the only place that reads the training tensors is
+  probability q = m / N (explicit generator; N is ``plan_size``, the public size the plan assumes,
+  by default the number of examples given); the only place that reads the training tensors is
   :meth:`DPGANTrainer._sample_real_batch`;
 * line 5: m fake examples G(z, y') with z ~ N(0, I) and labels y' uniform over the classes (no real
   data: neither images nor the label distribution), or with ``fake_labels: dp_histogram`` drawn from
@@ -53,7 +54,7 @@ class DPGANTrainer(JudgedSampler):
 
     def __init__(self, config: DPGANConfig, x_train: torch.Tensor, y_train: torch.Tensor, *,
                  device: str | torch.device = "cpu", judge_data: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 judge_epochs: int = 3, eval_samples: int = 500):
+                 judge_epochs: int = 3, eval_samples: int = 500, plan_size: int | None = None):
         config.validate()
         self.config = config
         self.device = torch.device(device)
@@ -66,13 +67,19 @@ class DPGANTrainer(JudgedSampler):
         self._x = x_train.to(self.device)
         self._y = y_train.to(self.device)
         self.n = int(x_train.shape[0])
+        if plan_size is not None and (isinstance(plan_size, bool) or not isinstance(plan_size, int) or plan_size < 1):
+            raise ValueError(f"plan_size must be a positive integer (the N the privacy plan assumes), got {plan_size!r}")
         self.input_shape = tuple(x_train.shape[1:])
-        # The privacy plan: q, critic steps per epoch, and sigma calibrated for all planned steps.
-        self.sampling_rate = sampling_rate(self.n, config.batch_size)
-        self.expected_batch = self.sampling_rate * self.n
-        self.steps_per_epoch = steps_per_epoch(self.n, config.batch_size)
-        self.planned_critic_steps = planned_critic_steps(config, self.n)
-        self.noise_multiplier = calibrate_noise(config, self.n)
+        # The privacy plan -- q, critic steps per epoch, sigma calibrated for all planned steps -- from
+        # plan_size, a public number (the configured train_size), never from |D| (default: the N given).
+        # The sampler reads the n examples actually given, each at rate q, so a trial whose audit
+        # draws canaries in plans and accounts exactly as one without them (docs/dpgan.md).
+        self.plan_size = int(plan_size) if plan_size is not None else self.n
+        self.sampling_rate = sampling_rate(self.plan_size, config.batch_size)
+        self.expected_batch = self.sampling_rate * self.plan_size
+        self.steps_per_epoch = steps_per_epoch(self.plan_size, config.batch_size)
+        self.planned_critic_steps = planned_critic_steps(config, self.plan_size)
+        self.noise_multiplier = calibrate_noise(config, self.plan_size)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             self.model = DPGANModel(self.input_shape, self.classes, config.latent_dim, config.hidden,
@@ -349,6 +356,7 @@ class DPGANTrainer(JudgedSampler):
         return copy.deepcopy({
             "config": self.config.to_dict(),
             "n": self.n,
+            "plan_size": self.plan_size,
             "noise_multiplier": self.noise_multiplier,
             "model": self.model.state_dict(),
             "generator_ema": None if self.generator_ema is None else self.generator_ema.state_dict(),
@@ -369,6 +377,9 @@ class DPGANTrainer(JudgedSampler):
     def load_state_dict(self, state: dict) -> None:
         if state["config"] != self.config.to_dict() or int(state["n"]) != self.n:
             raise ValueError("checkpoint config does not match this trainer's config and data")
+        if int(state.get("plan_size", state["n"])) != self.plan_size:
+            raise ValueError(f"checkpoint plan_size {state.get('plan_size', state['n'])} does not match this "
+                             f"trainer's plan_size {self.plan_size}")
         if float(state["noise_multiplier"]) != self.noise_multiplier:
             raise ValueError("checkpoint noise_multiplier does not match this trainer's calibration")
         self.model.load_state_dict(state["model"])
