@@ -167,10 +167,11 @@ class DPALSoundTrainer(DPSGDTrainer):
 
     config: DPALSoundConfig
 
-    def __init__(self, model, x_train, y_train, config: DPALSoundConfig, *, device="cpu", plan_size=None):
+    def __init__(self, model, x_train, y_train, config: DPALSoundConfig, *, device="cpu", plan_size=None,
+                 canaries=None):
         if not isinstance(config, DPALSoundConfig):
             raise ValueError(f"config must be a DPALSoundConfig, got {type(config).__name__}")
-        super().__init__(model, x_train, y_train, config, device=device, plan_size=plan_size)
+        super().__init__(model, x_train, y_train, config, device=device, plan_size=plan_size, canaries=canaries)
         if self.bookkeeper is not None:
             self.bookkeeper.remove()
             self.bookkeeper = PairedBookKeeper(self.model)

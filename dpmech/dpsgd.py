@@ -38,6 +38,7 @@ Engine API (for DP-SGD itself and for mechanisms built on it, e.g. SecureSGD)::
     trainer = DPSGDTrainer(model, x_train, y_train, cfg, device="cpu")   # any nn.Module classifier
     trainer = DPSGDTrainer(model, dataset, config=cfg)   # or a map-style Dataset / DataLoader (below)
     # (optional plan_size=n: plan q = batch_size / n and the steps from n instead of len(x_train))
+    # (optional canaries=WhiteBoxCanaries(m): white-box audit canaries, dpmech.audit_whitebox)
     trainer.train_epoch()            # -> {"train_loss", "train_acc", "batch_size_mean"}
     trainer.train_step()             # one Poisson-sampled clipped noisy step -> (batch size, loss sum, correct)
     trainer.privacy()                # epsilon (RDP), epsilon_pld, delta, noise_multiplier, sampling_rate, steps
@@ -262,7 +263,7 @@ class DPSGDTrainer:
 
     def __init__(self, model: nn.Module, x_train, y_train: torch.Tensor | None = None,
                  config: DPSGDConfig | None = None, *, device: str | torch.device = "cpu",
-                 plan_size: int | None = None):
+                 plan_size: int | None = None, canaries=None):
         if not isinstance(config, DPSGDConfig):
             raise ValueError(f"config must be a DPSGDConfig, got {type(config).__name__}")
         config.validate()
@@ -308,6 +309,9 @@ class DPSGDTrainer:
             self._make_private(base)
         else:
             self.optimizer = base
+        self.canaries = None
+        if canaries is not None:
+            self._attach_canaries(canaries, params)
 
     # -------------------------------------------------------------- construction
     def _make_private(self, base: torch.optim.Optimizer) -> None:
@@ -340,6 +344,26 @@ class DPSGDTrainer:
             self.gsm = GradSampleModule(self.model, batch_first=True, loss_reduction="mean")
             self.optimizer = DPOptimizer(base, **common)
         self.gsm.disable_hooks()  # only on inside train_step: evaluation and attacks see a plain model
+
+    def _attach_canaries(self, canaries, params: list) -> None:
+        """White-box canaries (:class:`dpmech.audit_whitebox.WhiteBoxCanaries`): their gradients
+        join the clipped sum before the noise and the auditor observes every noisy sum. In bk mode
+        :meth:`_add_noise_and_scale` calls them; in ghost and flat mode the Opacus optimizer's
+        ``add_noise`` is wrapped (it turns ``p.summed_grad`` into ``p.grad`` = sum + noise)."""
+        if not self.config.private:
+            raise ValueError("canaries: white-box canaries need DP-SGD's clipping and noise (set epsilon or "
+                             "noise_multiplier; the non-private baseline has neither)")
+        canaries.attach(params, max_grad_norm=self.config.max_grad_norm, sampling_rate=self.plan.sampling_rate,
+                        noise_multiplier=self.noise_multiplier)
+        self.canaries = canaries
+        if self.bookkeeper is None:
+            opt, add_noise = self.optimizer, self.optimizer.add_noise
+
+            def noise_with_canaries():
+                canaries.insert([p.summed_grad for p in opt.params])
+                add_noise()
+                canaries.observe([p.grad for p in opt.params])
+            opt.add_noise = noise_with_canaries
 
     def close(self) -> None:
         """Remove the Opacus hooks from the model (it can then be trained by another trainer)."""
@@ -426,14 +450,17 @@ class DPSGDTrainer:
         """p.grad <- (p.grad + N(0, (sigma C)^2 I)) / B for every trainable parameter (book-keeping
         mode; p.grad None counts as the zero clipped sum), noise from the trainer's noise generator."""
         std = self.noise_multiplier * self.config.max_grad_norm
-        for group in self.base_optimizer.param_groups:
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                if std > 0:
-                    g = g + std * torch.randn(p.shape, generator=self.noise_gen, device=p.device, dtype=p.dtype)
-                p.grad = g / self.config.batch_size
+        params = [p for group in self.base_optimizer.param_groups for p in group["params"] if p.requires_grad]
+        sums = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if self.canaries is not None:   # white-box canaries: their gradients join the clipped sum
+            self.canaries.insert(sums)
+        if std > 0:
+            sums = [g + std * torch.randn(p.shape, generator=self.noise_gen, device=p.device, dtype=p.dtype)
+                    for p, g in zip(params, sums)]
+        if self.canaries is not None:   # ... and the auditor sees the noisy sum
+            self.canaries.observe(sums)
+        for p, g in zip(params, sums):
+            p.grad = g / self.config.batch_size
 
     def train_step(self) -> tuple[int, float, int]:
         """One step of Alg. 1 on a fresh Poisson sample; returns (batch size, summed loss, correct)."""
@@ -550,6 +577,7 @@ class DPSGDTrainer:
             "ledger": self.ledger.state_dict(),
             "epoch": self.epoch,
             "steps": self.steps,
+            **({"canaries": self.canaries.state_dict()} if self.canaries is not None else {}),
         })
 
     def load_state_dict(self, state: dict) -> None:
@@ -563,6 +591,11 @@ class DPSGDTrainer:
         self.ledger.load_state_dict(state["ledger"])
         self.epoch = int(state["epoch"])
         self.steps = int(state["steps"])
+        if ("canaries" in state) != (self.canaries is not None):
+            raise ValueError("checkpoint: it was saved with white-box canaries and this trainer has none, or the "
+                             "other way round")
+        if self.canaries is not None:
+            self.canaries.load_state_dict(state["canaries"])
 
 
 def build_dpsgd_model(dataset: str, seed: int = 0, model: str = "pixeldp_cnn", input_range: str = "pm1") -> nn.Module:
