@@ -51,9 +51,11 @@ class ProgressPrinter(tune.Callback):
         self._say(f"started  {trial.trial_id} ({_describe(trial.config)})")
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
-        if "train_loss" in result and "evaluated" not in result:
+        if "test_acc" in result and "evaluated" not in result:
+            # train_loss is a non-private diagnostic (absent with diagnostics: false; docs/metrics.md)
+            loss = f"train_loss {result['train_loss']:.4f} (diagnostic), " if "train_loss" in result else ""
             self._say(f"progress {trial.trial_id} epoch {result.get('epoch')}: "
-                      f"train_loss {result['train_loss']:.4f}, test_acc {result.get('test_acc', float('nan')):.4f}")
+                      f"{loss}test_acc {result.get('test_acc', float('nan')):.4f}")
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         r = trial.last_result or {}

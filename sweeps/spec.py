@@ -36,6 +36,7 @@ from sweeps.spec_space import (
     build_space,
     check_common,
     check_metric,
+    check_not_diagnostic,
     check_trainable_name,
     did_you_mean,
     expand,
@@ -466,9 +467,12 @@ def _check_metrics(spec: SweepSpec) -> None:
     sch = spec.scheduler
     if sch.type != "none" and sch.metric and scheduler_metric(sch.metric) not in PER_EPOCH_METRICS:
         wanted.append(("scheduler.metric", sch.metric))
-    if not wanted:
+    selecting = wanted + ([("scheduler.metric", scheduler_metric(sch.metric))] if sch.type != "none" and sch.metric else [])
+    if not selecting:
         return
     configs = [c for _, cs in _space_configs(spec) for c in cs]
+    for path, metric in selecting:  # never a non-private diagnostic of a private trial
+        check_not_diagnostic(metric, path, configs)
     for path, metric in wanted:
         check_metric(metric, path, configs)
 

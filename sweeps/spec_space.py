@@ -55,7 +55,8 @@ MECHANISM_METRICS = {
                 "noise_multiplier", "sensitivity", "noisy_count", "generator_steps"),
 }
 # Metrics reported after every epoch (what an early-stopping scheduler can compare), and the
-# direction in which each is better.
+# direction in which each is better. train_loss is a non-private diagnostic: refused for private
+# trials (check_not_diagnostic).
 PER_EPOCH_METRICS = {"train_loss": "min", "test_acc": "max"}
 # Final metrics with a per-epoch counterpart: an early-stopping scheduler asked for the final one
 # compares the counterpart at its rungs (acc_clean is the clean test accuracy; test_acc measures
@@ -580,6 +581,26 @@ def _size_key(name: str):
         return head, float(tail)
     except ValueError:
         return head, math.inf
+
+
+def check_not_diagnostic(metric: str, path: str, configs: Iterable[dict]) -> None:
+    """A searcher or scheduler must not select on a non-private diagnostic (``train_loss``,
+    ``train_acc``, ..., trainables.diagnostics) of a private trial: it is computed on the training
+    data without noise, so the selection would leak through a channel epsilon does not cover. A
+    trial with ``diagnostics: false`` does not report it at all. One line naming the path."""
+    from trainables.diagnostics import is_diagnostic
+
+    for cfg in configs:
+        entry = REGISTRY.get(cfg["trainable"])
+        if entry is None or not is_diagnostic(metric, entry.config_model):
+            continue
+        if cfg.get("diagnostics") is False:
+            raise SpecError(f"{path}: {metric} is a non-private diagnostic and trials with diagnostics: false do not "
+                            f"report it; use test_acc or a final metric such as acc_clean (docs/metrics.md)")
+        if entry.privacy_epsilon and cfg.get("epsilon", 0.0) is not None:
+            raise SpecError(f"{path}: {metric} is a non-private diagnostic (computed on the training data without "
+                            f"noise, not covered by epsilon) of the private trainable {cfg['trainable']!r}; select on "
+                            f"test_acc or a final metric such as acc_clean (docs/metrics.md)")
 
 
 def check_metric(metric: str, path: str, configs: Iterable[dict]) -> None:

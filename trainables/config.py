@@ -54,6 +54,9 @@ class CommonConfig(BaseModel):
     audit_canaries: int = Field(0, ge=0, description="privacy audit: canaries inserted (0 = no audit; docs/audit.md)")
     audit_guess_fraction: float = Field(0.2, gt=0, le=1, description="privacy audit: fraction of canaries guessed")
     audit_beta: float = Field(0.05, gt=0, lt=1, description="privacy audit: 1 - confidence of epsilon_lower_bound")
+    diagnostics: bool = Field(True, description="report and log the non-private diagnostics (train_loss, train_acc, "
+                              "batch_size_mean, wasserstein, clipped_fraction, loss_near_chance: computed on the training "
+                              "data without noise, not covered by epsilon); false for a release (docs/metrics.md)")
 
     # True for mechanisms whose epsilon protects training examples (the privacy audit applies)
     protects_training_examples: ClassVar[bool] = False

@@ -51,6 +51,9 @@ class DPMERFTrialConfig(CommonConfig):
 
     protects_training_examples: ClassVar[bool] = True
     privacy_delta_key: ClassVar[str | None] = "delta"
+    # train_loss is the generator's matching loss against the released embedding: post-processing of
+    # the release, not a non-private diagnostic (trainables.diagnostics)
+    private_epoch_metrics: ClassVar[tuple[str, ...]] = ("train_loss",)
 
     @model_validator(mode="after")
     def _dp_merf_rules(self):

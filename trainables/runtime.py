@@ -7,7 +7,8 @@
 2. restore from ``ray.tune.get_checkpoint()`` if Ray hands one over (a retried or restored
    trial continues; it never starts over), otherwise build fresh;
 3. open the trial's MLflow child run (the same run on every attempt: trainables.tracking);
-4. train epoch by epoch, reporting ``train_loss``/``test_acc`` with ``ray.tune.report`` and a
+4. train epoch by epoch, reporting ``train_loss``/``test_acc`` with ``ray.tune.report`` (the
+   non-private diagnostics among them dropped with ``diagnostics: false``, trainables.diagnostics) and a
    checkpoint of everything needed to continue (model, optimizer, RNG states, privacy ledger,
    MLflow run id) after every epoch;
 5. evaluate: each attack at each size, then certification (the mechanism's own, randomized
@@ -151,6 +152,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
 
     from dpmech.data import load_splits
     from trainables.artifacts import log_final_artifacts
+    from trainables.diagnostics import FINAL_DIAGNOSTICS, TAG_DIAGNOSTICS, diagnostic_names, drop, epoch_diagnostics
     from trainables.tracking import TAG_DEVICE, TrialTracker, run_name
 
     cfg = validate_config(config, schema)
@@ -194,17 +196,21 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
             tracker.log_params({key: digest})
             tracker.set_tag(f"dpsweep.{key}", digest)
         tracker.set_tag(TAG_DEVICE, device_name(device))  # a tag: a retry may run on another node
+        logged = [m for m in ("train_loss", *FINAL_DIAGNOSTICS) if m in diagnostic_names(schema)]
+        tracker.set_tag(TAG_DIAGNOSTICS, ", ".join(logged) if cfg.diagnostics else "none")
     finished = False
     try:
         while mech.epoch < cfg.epochs:
             t0 = time.perf_counter()
             metrics = mech.train_epoch()
+            if not cfg.diagnostics:  # a release: the noise-free training-data statistics go nowhere
+                metrics = drop(metrics, epoch_diagnostics(metrics, schema))
             metrics["test_acc"] = mech.test_accuracy(xt, yt)
             meta["compute_seconds"] = meta.get("compute_seconds", 0.0) + time.perf_counter() - t0
             epoch = mech.epoch
             meta["history"].append({"epoch": epoch, **metrics})
             if tracker:
-                tracker.log_metrics({"train_loss": metrics["train_loss"], "test_acc": metrics["test_acc"]}, step=epoch)
+                tracker.log_metrics({k: metrics[k] for k in ("train_loss", "test_acc") if k in metrics}, step=epoch)
             with tempfile.TemporaryDirectory() as tmp:
                 _save_checkpoint(Path(tmp), mech, meta)
                 tune.report({**metrics, "epoch": epoch}, checkpoint=tune.Checkpoint.from_directory(tmp))
@@ -212,6 +218,8 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         t0 = time.perf_counter()
         last_loss = meta["history"][-1].get("train_loss") if meta["history"] else None
         final = evaluate(mech, cfg, xt, yt, train_loss=last_loss)
+        if not cfg.diagnostics:
+            final["metrics"] = drop(final["metrics"], diagnostic_names(schema))
         if canaries is not None:
             final["metrics"].update(run_audit(mech, canaries, cfg, final["metrics"].get("delta", 0.0)))
         # time spent training and evaluating, without logging and checkpointing (all attempts)
