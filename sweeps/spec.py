@@ -520,7 +520,7 @@ def _planned_train_size(config: dict) -> int:
         from dpmech.dpsgd import FULL_TRAIN_SIZES
 
         n = FULL_TRAIN_SIZES[config.get("dataset", "mnist")]
-    return int(n) + int(config.get("audit_canaries") or 0)
+    return int(n) + int(config.get("audit_canaries") or 0) + int((config.get("audit") or {}).get("canaries") or 0)
 
 
 def _delta_warnings(spec: SweepSpec) -> list[str]:

@@ -568,8 +568,9 @@ def reported_metrics(name: str, config: dict) -> set[str]:
         if certifier in ("smoothing", "both"):
             out |= {"smooth_acc_clean", "smooth_abstain_rate", "smooth_cert_abstain_rate"}
             out |= {f"smooth_cert_acc_{format_size(s)}" for s in config.get("certify_sizes") or ()}
-    if (config.get("audit_canaries") or 0) > 0:
-        out |= {"epsilon_lower_bound", "audit_correct", "audit_guesses"}
+    from trainables.audit_config import metric_names  # the audit's metrics (flat keys or the audit mapping)
+
+    out |= metric_names(config.get("audit"), config.get("audit_canaries") or 0)
     if name == "label_dp" and config.get("task") == "regression":
         out.add("mse")
     return out

@@ -54,6 +54,11 @@ class CommonConfig(BaseModel):
     audit_canaries: int = Field(0, ge=0, description="privacy audit: canaries inserted (0 = no audit; docs/audit.md)")
     audit_guess_fraction: float = Field(0.2, gt=0, le=1, description="privacy audit: fraction of canaries guessed")
     audit_beta: float = Field(0.05, gt=0, lt=1, description="privacy audit: 1 - confidence of epsilon_lower_bound")
+    audit: dict | None = Field(
+        None, description="privacy audit as one mapping (instead of the flat audit_* keys, which are the black-box "
+        "audit): {mode: whitebox | blackbox, canaries: m, estimator: steinke | fdp | gdp or a list (the first of "
+        "steinke/fdp gives audit_epsilon_lb), confidence: 0.95, direction: dirac | random, statistic: llr | sum, "
+        "guess_fraction: 0.2}; whitebox = gradient canaries in the DP-SGD engine (docs/audit.md)")
     diagnostics: bool = Field(True, description="report and log the non-private diagnostics (train_loss, train_acc, "
                               "batch_size_mean, wasserstein, clipped_fraction, loss_near_chance: computed on the training "
                               "data without noise, not covered by epsilon); false for a release (docs/metrics.md)")
@@ -125,21 +130,34 @@ class CommonConfig(BaseModel):
         smoothing (smoothing/both; ``smoothing_unavailable`` refuses it where it cannot run)."""
         return (cls.has_certificate and certifier in ("default", "both")) or certifier in ("smoothing", "both")
 
+    @field_validator("audit")
+    @classmethod
+    def _audit_mapping(cls, value):
+        """The ``audit`` mapping checked and completed with its defaults (trainables.audit_config)."""
+        from trainables.audit_config import parse
+
+        return None if value is None else parse(value)
+
     @model_validator(mode="after")
     def _audit_applies(self):
-        if self.audit_canaries and not self.protects_training_examples:
-            raise ValueError("audit_canaries: this mechanism gives no privacy guarantee for its training examples, "
+        from trainables.audit_config import check, settings
+
+        check(self)
+        audit = settings(self)
+        field = "audit" if self.audit else "audit_canaries"
+        if audit and not self.protects_training_examples:
+            raise ValueError(f"{field}: this mechanism gives no privacy guarantee for its training examples, "
                              "there is no claim to audit")
-        if self.audit_canaries and getattr(self, "privacy_delta_key", "delta"):
+        if audit and "steinke" in audit.estimator and getattr(self, "privacy_delta_key", "delta"):
             from dpmech.audit import audit_possible, guess_counts
 
             key = getattr(self, "privacy_delta_key", "delta")
-            m, delta = self.audit_canaries, float(getattr(self, key, 0.0) or 0.0)
-            r = sum(guess_counts(m, self.audit_guess_fraction))
-            if audit_possible(m, 0.0, self.audit_beta, r) and not audit_possible(m, delta, self.audit_beta, r):
-                raise ValueError(f"audit_canaries: {m} canaries with {key} = {delta:g} make the audit "
-                                 f"impossible (the term 2 m delta alpha of Steinke et al. leaves nothing of audit_beta = "
-                                 f"{self.audit_beta}); use fewer canaries or a smaller delta (docs/audit.md)")
+            m, delta, beta = audit.canaries, float(getattr(self, key, 0.0) or 0.0), audit.beta
+            r = sum(guess_counts(m, audit.guess_fraction))
+            if audit_possible(m, 0.0, beta, r) and not audit_possible(m, delta, beta, r):
+                raise ValueError(f"{field}: {m} canaries with {key} = {delta:g} make the audit "
+                                 f"impossible (the term 2 m delta alpha of Steinke et al. leaves nothing of beta = "
+                                 f"{beta:g}); use fewer canaries or a smaller delta (docs/audit.md)")
         return self
 
     def smoothing_unavailable(self) -> str | None:

@@ -75,6 +75,7 @@ class DPALSoundTrialConfig(CommonConfig):
                                          description="l-inf sizes reported as cert_linf_acc_<s> (l2 radius s sqrt(d))")
 
     protects_training_examples: ClassVar[bool] = True
+    supports_whitebox_audit: ClassVar[bool] = True   # trains with the DP-SGD engine (audit: {mode: whitebox})
     loss_is_cross_entropy: ClassVar[bool] = False   # train_loss is the mean of (CE + xi CE_adv) / (1 + xi) under noise
     privacy_delta_key: ClassVar[str | None] = "delta"
     accepts_custom_dataset: ClassVar[bool] = True
@@ -131,6 +132,7 @@ def _mechanism_class():
 
     from dpmech.dpal_sound import DPALSoundTrainer, NoisyClassifier, evaluate
     from dpmech.dpsgd import build_dpsgd_model, stream_seed
+    from trainables.audit_config import whitebox_canaries
     from trainables.runtime import TrainerMechanism
 
     class DPALSoundMechanism(TrainerMechanism):
@@ -140,7 +142,8 @@ def _mechanism_class():
             self.sigma = float(cfg.smoothing_sigma)
             self.seed = int(cfg.seed)
             self.trainer = DPALSoundTrainer(build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model), x, y, sound_config(cfg),
-                                            device=device, plan_size=planned_train_size(cfg))
+                                            device=device, plan_size=planned_train_size(cfg),
+                                            canaries=whitebox_canaries(cfg))
 
         def test_accuracy(self, x, y) -> float:
             """Per-epoch ``test_acc``: f(x + z) with one noise draw per image (the classifier under its noise)."""

@@ -81,6 +81,7 @@ class DPSGDTrialConfig(CommonConfig):
     accountant: Literal["rdp", "pld"] = Field("rdp", description="accountant used to calibrate the noise (both are reported)")
 
     protects_training_examples: ClassVar[bool] = True
+    supports_whitebox_audit: ClassVar[bool] = True   # trains with the DP-SGD engine (audit: {mode: whitebox})
     loss_is_cross_entropy: ClassVar[bool] = True
     privacy_delta_key: ClassVar[str | None] = "delta"
     accepts_custom_dataset: ClassVar[bool] = True
@@ -148,6 +149,7 @@ PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "datas
 def _mechanism_class():
     """``DPSGDMechanism``, built on first use (it subclasses the runtime's ``TrainerMechanism``)."""
     from dpmech.dpsgd import DPSGDTrainer, build_dpsgd_model
+    from trainables.audit_config import whitebox_canaries
     from trainables.runtime import TrainerMechanism
 
     class DPSGDMechanism(TrainerMechanism):
@@ -156,7 +158,7 @@ def _mechanism_class():
         def __init__(self, cfg: DPSGDTrialConfig, x, y, device):
             self.sigma = float(cfg.noise_augmentation_sigma)
             self.trainer = DPSGDTrainer(build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model, cfg.input_range), x, y, dpsgd_config(cfg),
-                                        device=device, plan_size=planned_train_size(cfg))
+                                        device=device, plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg))
 
         def privacy(self) -> dict[str, float]:
             """epsilon (RDP) and epsilon_pld of the ledger, delta, noise_multiplier, sampling_rate, steps."""

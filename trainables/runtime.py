@@ -220,8 +220,9 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         final = evaluate(mech, cfg, xt, yt, train_loss=last_loss)
         if not cfg.diagnostics:
             final["metrics"] = drop(final["metrics"], diagnostic_names(schema))
-        if canaries is not None:
-            final["metrics"].update(run_audit(mech, canaries, cfg, final["metrics"].get("delta", 0.0)))
+        if audit_settings(cfg) is not None:  # black-box canaries, or the engine's white-box ones
+            final["metrics"].update(run_audit(mech, canaries, cfg, final["metrics"].get("delta", 0.0),
+                                              claim=final["metrics"].get("epsilon")))
         # time spent training and evaluating, without logging and checkpointing (all attempts)
         final["metrics"]["compute_seconds"] = meta.get("compute_seconds", 0.0) + time.perf_counter() - t0
         if tracker:
@@ -324,27 +325,47 @@ def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Ten
 def audit_canaries(cfg: CommonConfig, device: torch.device):
     """The canaries of the privacy audit (None without ``audit_canaries``): drawn from examples in
     neither the training nor the evaluation set, the same on every attempt of the trial."""
-    if cfg.audit_canaries == 0:
+    s = audit_settings(cfg)
+    if s is None or s.mode != "blackbox":   # white-box canaries live in the engine (trainables.audit_config)
         return None
     from dpmech.audit import make_canaries
     from dpmech.data import load_held_out, num_classes
 
     pool = load_held_out(cfg.dataset, train_size=cfg.train_size, test_size=cfg.test_size, seed=cfg.data_seed)
     x, y = pool.tensors
-    c = make_canaries(x, y, cfg.audit_canaries, num_classes(cfg.dataset), cfg.seed)
+    c = make_canaries(x, y, s.canaries, num_classes(cfg.dataset), cfg.seed)
     c.x, c.y = c.x.to(device), c.y.to(device)
     return c
 
 
-def run_audit(mech, canaries, cfg: CommonConfig, delta: float) -> dict[str, float]:
-    """``epsilon_lower_bound`` and the audit's counts: the mechanism's ``membership_scores`` (its
-    own notion of fit, e.g. a GAN critic's score) or the negative loss of its classifier."""
-    from dpmech.audit import audit, loss_scores
+def audit_settings(cfg: CommonConfig):
+    """The trial's audit settings, or None (trainables.audit_config.settings)."""
+    from trainables.audit_config import settings
 
+    return settings(cfg)
+
+
+def run_audit(mech, canaries, cfg: CommonConfig, delta: float, claim: float | None = None) -> dict[str, float]:
+    """The audit's metrics (docs/metrics.md): ``audit_epsilon_lb`` and one per estimator, the
+    counts, ``audit_claim`` and ``audit_ratio``. White-box: the engine's canaries
+    (``mech.trainer.canaries``) scored from every noisy update. Black-box: the mechanism's
+    ``membership_scores`` (its own notion of fit, e.g. a GAN critic's score) or the negative loss
+    of its classifier; the flat ``audit_canaries`` keys also report ``epsilon_lower_bound``."""
+    from dpmech.audit import loss_scores, run_estimators
+
+    s = audit_settings(cfg)
+    opts = dict(estimators=s.estimator, beta=s.beta, delta=float(delta), guess_fraction=s.guess_fraction, claim=claim)
+    if s.mode == "whitebox":
+        wb = mech.trainer.canaries
+        out = run_estimators(wb.scores, wb.included, **opts)
+        out["audit_steps"] = float(wb.steps)
+        return out
     if hasattr(mech, "membership_scores"):
         scores = mech.membership_scores(canaries.x, canaries.y)
     else:
         scores = loss_scores(mech.model, canaries.x, canaries.y)
-    return audit(scores, canaries.included, guess_fraction=cfg.audit_guess_fraction, beta=cfg.audit_beta,
-                 delta=float(delta))
+    out = run_estimators(scores, canaries.included, **opts)
+    if not cfg.audit:   # the flat keys: today's metric name as well
+        out["epsilon_lower_bound"] = out["audit_epsilon_lb_steinke"]
+    return out
 

@@ -53,6 +53,7 @@ class SecureSGDTrialConfig(CommonConfig):
         True, description="certify with the measured whitened pre-noise sensitivity (False: the construction bound)")
 
     protects_training_examples: ClassVar[bool] = True
+    supports_whitebox_audit: ClassVar[bool] = True   # trains with the DP-SGD engine (audit: {mode: whitebox})
     has_certificate: ClassVar[bool] = True  # the PixelDP test on the noise layer
     loss_is_cross_entropy: ClassVar[bool] = True
     privacy_delta_key: ClassVar[str | None] = "delta"  # robustness_delta is a robustness parameter
@@ -119,6 +120,7 @@ def _mechanism_class():
     """``SecureSGDMechanism``, built on first use (it subclasses the runtime's ``TrainerMechanism``)."""
     from dpmech.certify import certify
     from dpmech.secure_sgd import SecureSGDTrainer
+    from trainables.audit_config import whitebox_canaries
     from trainables.runtime import TrainerMechanism
 
     class SecureSGDMechanism(TrainerMechanism):
@@ -126,7 +128,7 @@ def _mechanism_class():
 
         def __init__(self, cfg: SecureSGDTrialConfig, x, y, device):
             self.trainer = SecureSGDTrainer(secure_sgd_config(cfg), x, y, device=device,
-                                            plan_size=planned_train_size(cfg))
+                                            plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg))
 
         def privacy(self) -> dict[str, float]:
             """epsilon/delta of the training data (ledger, RDP; epsilon_pld), the DP-SGD parameters,
