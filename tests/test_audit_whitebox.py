@@ -200,3 +200,44 @@ def test_random_directions_and_bad_input():
         WhiteBoxCanaries(10, direction="diagonal")
     with pytest.raises(ValueError, match="'gdp' is an estimate"):
         can.audit(delta=1e-5, estimators=("gdp",))
+
+
+@pytest.mark.parametrize("which", ["dpal_sound", "secure_sgd"])
+def test_mechanisms_on_the_engine_get_the_canaries(which):
+    """DPAL-sound (paired book-keeping) and SecureSGD (Opacus ghost on a PixelDP network) insert
+    the canaries into their clipped sums like DP-SGD: observed - canary-free = C on the sampled
+    included canaries' coordinates (noise 0, one step from the same initialisation)."""
+    g = torch.Generator().manual_seed(0)
+    if which == "dpal_sound":
+        from dpmech.dpal_sound import DPALSoundConfig, DPALSoundTrainer
+
+        x, y = torch.rand(64, 1, 8, 8, generator=g) * 2 - 1, torch.randint(0, 3, (64,), generator=g)
+        cfg = DPALSoundConfig(epsilon=None, noise_multiplier=0.0, max_grad_norm=0.05, batch_size=32, epochs=1,
+                              lr=1.0, smoothing_sigma=0.5, xi=0.7, mu_max=0.3, attacks=("fgsm",), attack_steps=2,
+                              seed=0)
+
+        def build(c):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.Conv2d(1, 4, 3, stride=2), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(),
+                                      nn.Linear(36, 8), nn.Tanh(), nn.Linear(8, 3))
+            return DPALSoundTrainer(model, x, y, cfg, canaries=c)
+    else:
+        from dpmech.secure_sgd import SecureSGDConfig, SecureSGDTrainer
+
+        x, y = torch.rand(32, 1, 28, 28, generator=g) * 2 - 1, torch.randint(0, 10, (32,), generator=g)
+        cfg = SecureSGDConfig(epsilon=None, noise_multiplier=0.0, max_grad_norm=0.05, batch_size=16, epochs=1,
+                              lr=1.0, momentum=0.0, seed=3)
+
+        def build(c):
+            return SecureSGDTrainer(cfg, x, y, canaries=c)
+    can = WhiteBoxCanaries(30, seed=1, statistic="sum", placement="all")
+    t, ref = build(can), build(None)
+    observed, reference = grab_observed(can), grab_update(ref)
+    idx = t.poisson_batch()
+    t._step(idx)
+    ref._step(idx)
+    expected = torch.zeros_like(observed[-1])
+    expected[torch.from_numpy(can.coordinates[can.last_batch])] = cfg.max_grad_norm
+    assert can.steps == 1 and can.last_batch.any()
+    assert torch.allclose(observed[-1] - reference[-1], expected, atol=1e-5)
