@@ -369,7 +369,8 @@ def quiet_ray() -> None:
     # Ray's new console output prints an experiment box and a TensorBoard hint even at verbose=0
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     for name in ("ray.tune", "ray.train", "ray.air", "ray.tune.tune", "ray.tune.impl.tuner_internal",
-                 "ray._private.authentication.authentication_token_setup"):
+                 "ray._private.authentication.authentication_token_setup",
+                 "ray.tune.analysis.experiment_analysis"):  # trials that never reported (an interrupt)
         logger = logging.getLogger(name)
         if not any(isinstance(f, _RayHintFilter) for f in logger.filters):
             logger.addFilter(_RayHintFilter())
@@ -382,7 +383,8 @@ class _RayHintFilter:
     are) or address a Ray user (the default token authentication of a local cluster, TensorBoard)."""
 
     HINTS = ("Tuner.restore", "TensorBoard", "tensorboard", "has been interrupted", "Wrote the latest version",
-             "Trials did not complete", "Stop signal received", "Token authentication is enabled for this Ray cluster")
+             "Trials did not complete", "Stop signal received", "Token authentication is enabled for this Ray cluster",
+             "Failed to fetch metrics")  # of trials an interrupt stopped before their first result
 
     def filter(self, record) -> bool:
         msg = record.getMessage()
