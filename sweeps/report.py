@@ -267,17 +267,9 @@ def _privacy_section(sweep: Sweep) -> list[str]:
                   f"of these {len(trials)} trials, trained on the same private data, uses that data again: the "
                   "per-trial epsilons above do not bound what publishing the best trial reveals. Run the sweep "
                   "with `tuning_privacy` (docs/tuning_privacy.md) for an end-to-end guarantee."]
-    if "epsilon_lower_bound" in trials and trials["epsilon_lower_bound"].notna().any():
-        audited = trials[trials["epsilon_lower_bound"].notna()]
-        rows = [{"run": r["run"], "trainable": r["trainable"], "claimed epsilon": r.get("epsilon", math.nan),
-                 "audited lower bound": r["epsilon_lower_bound"],
-                 "consistent": "yes" if r["epsilon_lower_bound"] <= r.get("epsilon", math.inf) else "**NO**"}
-                for _, r in audited.iterrows()]
-        lines += ["", "### Empirical privacy audits", "",
-                  "A lower bound on epsilon from canaries (docs/audit.md): above the claimed epsilon means the "
-                  "claim is wrong. Each bound holds at its own trial's confidence 1 - `audit_beta` and is not "
-                  f"corrected for the {len(rows)} trial(s) audited here: with k trials a few NO's can be chance; "
-                  "set `audit_beta` to 0.05 / k for a sweep-wide 95% statement.", "", *_md_table(rows)]
+    from sweeps.report_audit import section_lines  # claimed vs audited epsilon (docs/audit.md)
+
+    lines += section_lines(trials, _md_table)
     return lines + [""]
 
 
@@ -318,6 +310,11 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
         _write_csv(out / "trials_aggregated.csv", aggregate(trials).to_dict("records"))
         files.append(out / "trials_aggregated.csv")
     repeats = "; each point the mean over a configuration's repeats, error bars one standard deviation"
+    from sweeps.report_audit import plot_claimed_vs_audited
+
+    add(plot_claimed_vs_audited(trials, out / "claimed_vs_audited.png"), "Claimed vs audited epsilon",
+        "claimed_vs_audited.png", "Each audited trial's empirical lower bound (its own confidence) against its claimed "
+        "epsilon; above the dashed line y = x the claim is refuted (docs/audit.md).")
     add(rp.plot_pareto(trials, "acc_clean", out / "pareto_accuracy.png", "conventional accuracy (clean)", refs),
         "Privacy epsilon against conventional accuracy", "pareto_accuracy.png",
         f"Every configuration a point{repeats}; a series (colour and marker) per value of the other swept keys, "
