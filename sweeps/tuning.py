@@ -84,8 +84,9 @@ def check_tuning_spec(spec: "SweepSpec") -> None:
 # Metrics computed without touching the training data (held-out test set, or samples of a trained
 # generator scored on real held-out data): only these may select the released trial under
 # tuning_privacy, since Papernot & Steinke's theorem covers a selection that is a function of the
-# private trials' outputs. train_loss, train_acc, not_learned (a function of the noise-free
-# train_loss), batch_size_mean, clipped_fraction and wasserstein read the training data without noise.
+# private trials' outputs. train_loss, train_acc, loss_near_chance (a function of the noise-free
+# train_loss), batch_size_mean, clipped_fraction and wasserstein read the training data without noise;
+# not_learned is a flag (chance level), not a score to select by.
 PRIVATE_SELECTION_METRICS = ("acc_clean", "test_acc", "tstr_acc", "sample_quality", "sample_confidence",
                              "classifier_score")
 

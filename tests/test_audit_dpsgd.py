@@ -8,7 +8,7 @@ scores are the canaries' negative losses; 100 guesses (the top and bottom 10 %).
 * The same run with clipping and noise disabled (the engine's non-private mode, as if a bug had
   switched them off while the claim stayed), trained to memorise the canaries, gives a lower
   bound above the claim: the audit can fail. With 100 guesses the largest possible bound is
-  about 3.4, so the claim is set at 2 to leave room on both sides.
+  3.48 (100 of 100 right), so the claim is set at 2 to leave room on both sides.
 """
 
 from __future__ import annotations
