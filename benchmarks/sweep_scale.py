@@ -92,6 +92,7 @@ def run_one(n: int, workdir: Path, concurrency: int | None) -> dict:
     uri = f"sqlite:///{workdir}/mlflow.db"
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
     log(f"N = {n}: dpsweep run ...")
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     with open(workdir / "run.log", "w") as out:
         proc = subprocess.Popen([_dpsweep(), "run", str(path), "--tracking-uri", uri], cwd=workdir, env=env,
@@ -131,7 +132,9 @@ def run_one(n: int, workdir: Path, concurrency: int | None) -> dict:
     row = {"trials": n, "concurrency": used, "wall_s": round(wall, 2), "compute_s": round(compute_s, 2),
            "compute_sum_s": round(sum(compute), 2), "child_run_sum_s": round(sum(child_s), 2),
            "overhead_per_trial_s": round((wall - compute_s) / n, 3), "report_s": round(report_s, 2),
-           "driver_rss_mb": round(peak[0], 1), "mlflow_store_mb": round(store, 1)}
+           "driver_rss_mb": round(peak[0], 1), "mlflow_store_mb": round(store, 1),
+           # the 1-minute load average before and after: above the core count, something else ran too
+           "load_avg_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
     log(f"N = {n}: wall {wall:.1f} s, compute {compute_s:.1f} s ({sum(compute):.1f} s over {used} slots), "
         f"overhead {row['overhead_per_trial_s']:.3f} s/trial, report {report_s:.1f} s, driver {peak[0]:.0f} MB, "
         f"store {store:.1f} MB")
