@@ -97,12 +97,8 @@ def audit_rows(trials) -> list[dict]:
 
 
 def _mode(row) -> str:
-    audit = row.get("audit")
-    if isinstance(audit, str) and "whitebox" in audit:
-        return "whitebox"
-    if isinstance(audit, dict):
-        return str(audit.get("mode", ""))
-    return "blackbox"
+    """whitebox when the trial logged ``audit_steps`` (only the engine's canaries observe steps)."""
+    return "whitebox" if math.isfinite(_num(row.get("audit_steps"))) else "blackbox"
 
 
 def section_lines(trials, md_table) -> list[str]:

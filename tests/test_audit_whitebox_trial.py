@@ -91,6 +91,9 @@ def test_audit_key_rules():
         assert "\n" not in str(err.value) and str(err.value).startswith("config.")
     with pytest.raises(ValidationError, match="does not train with it"):
         DPGANTrialConfig(audit=wb)
+    # a sweep's trial config carries every key: the flat keys at their defaults state no second audit
+    full = {**DPSGDTrialConfig().model_dump(), "audit": wb}
+    assert validate_config({"trainable": "dpsgd", **full}, DPSGDTrialConfig).audit["mode"] == "whitebox"
 
 
 def test_spec_knows_the_audit_metrics():

@@ -20,7 +20,8 @@
 The flat keys shipped before (``audit_canaries``, ``audit_guess_fraction``, ``audit_beta``) stay:
 they are the black-box audit ``{mode: blackbox, canaries: audit_canaries, estimator: steinke,
 confidence: 1 - audit_beta, guess_fraction: audit_guess_fraction}``. Giving ``audit`` together
-with any of them is refused (one statement of the audit, not two to reconcile).
+with any of them at a value other than its default is refused (one statement of the audit, not
+two to reconcile).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class AuditSettings(BaseModel):
 
     @property
     def beta(self) -> float:
-        return 1.0 - self.confidence
+        return round(1.0 - self.confidence, 12)   # 0.05 for 0.95, not 0.050000000000000044
 
 
 def parse(value: dict) -> dict:
@@ -93,7 +94,10 @@ def check(cfg) -> None:
     keys, not both; white-box only where the trainable runs the DP-SGD engine."""
     if not getattr(cfg, "audit", None):
         return
-    flat = [k for k in FLAT_KEYS if k in cfg.model_fields_set]
+    # a full config (a sweep's trials carry every key) holds the flat keys at their defaults: only a
+    # value other than the default states a second audit
+    fields = type(cfg).model_fields
+    flat = [k for k in FLAT_KEYS if getattr(cfg, k) != fields[k].default]
     if flat:
         raise ValueError(f"audit: give the audit mapping or the flat keys ({', '.join(flat)}), not both "
                          "(the flat keys are the black-box audit; docs/audit.md)")
