@@ -34,6 +34,9 @@ _PUBLIC = {
     # privacy audit (Steinke, Nasr & Jagielski 2023)
     "epsilon_lower_bound": "dpmech.audit", "p_value": "dpmech.audit",
     "make_canaries": "dpmech.audit", "loss_scores": "dpmech.audit", "audit_possible": "dpmech.audit",
+    "run_estimators": "dpmech.audit",
+    # white-box canaries in the DP-SGD engine; the f-DP one-run bound (Mahloujifar et al. 2025)
+    "WhiteBoxCanaries": "dpmech.audit_whitebox", "audit_fdp": "dpmech.audit_fdp",
     # accounting (dp-accounting)
     "PrivacyLedger": "dpmech.accounting",
     # data
@@ -42,9 +45,9 @@ _PUBLIC = {
     "DPSGDTrainer": "dpmech.dpsgd", "DPSGDConfig": "dpmech.dpsgd",
 }
 # submodules, public too (``dpmech.certify.certify``, ``dpmech.smoothing.certify``,
-# ``dpmech.accounting.epsilon``): a function named like its module (certify, audit) is reached through
-# the module, since importing a submodule binds its name on the package; ``dpmech.certify(...)`` still
-# works: that module is callable and forwards to its ``certify``.
+# ``dpmech.accounting.epsilon``). A function named like its module (certify, audit) cannot be a
+# package attribute of its own, since importing a submodule binds its name on the package: those two
+# modules are callable instead (``dpmech.certify(...)``, ``dpmech.audit(...)`` forward to the function).
 _MODULES = ("accounting", "attacks", "audit", "certify", "data", "evaluation", "mechanisms", "noise_layer",
             "smoothing")
 

@@ -266,3 +266,8 @@ def loss_scores(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_
         out.append(-torch.nn.functional.cross_entropy(logits, y[i:i + batch_size], reduction="none").cpu())
     model.train(was_training)
     return torch.cat(out).numpy().astype(np.float64)
+
+
+from dpmech._callable_module import callable_module  # noqa: E402 - after audit() is defined
+
+callable_module(__name__)  # dpmech.audit(scores, included, ...) is dpmech.audit.audit(...)

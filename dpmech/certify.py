@@ -29,8 +29,6 @@ The steps, one function each, in the order of the paper:
 from __future__ import annotations
 
 import math
-import sys
-import types
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -627,15 +625,6 @@ def certified_accuracy(result: CertificationResult, sizes) -> dict[float, float]
     return out
 
 
-class _CallableModule(types.ModuleType):
-    """This module, callable: ``dpmech.certify(model, x, y, ...)`` is ``dpmech.certify.certify(...)``.
+from dpmech._callable_module import callable_module  # noqa: E402 - after certify() is defined
 
-    ``import dpmech.certify`` (or the lazy ``dpmech.certify``) binds the module to the name users
-    expect to be the function; calling it forwards to ``certify``. ``from dpmech.certify import
-    certify`` and every other name of the module are unchanged."""
-
-    def __call__(self, *args, **kwargs):
-        return certify(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+callable_module(__name__)  # dpmech.certify(model, x, y, ...) is dpmech.certify.certify(...)

@@ -147,3 +147,19 @@ def test_final_metric_optuna_search_skips_per_epoch_results():
     from sweeps.runner import _final_metric_optuna
 
     assert _final_metric_optuna() is FinalMetricOptunaSearch  # the CLI's searcher is the public one
+
+
+def test_dpmech_audit_is_callable_like_certify():
+    """``dpmech.audit(scores, included)`` runs the audit (the module no longer shadows the function)."""
+    import numpy as np
+
+    import dpmech
+    import dpmech.audit as audit_module
+
+    rng = np.random.default_rng(0)
+    included = rng.random(200) < 0.5
+    scores = included * 3.0 + rng.normal(size=200)
+    assert dpmech.audit is audit_module and callable(dpmech.audit)
+    out = dpmech.audit(scores, included, guess_fraction=0.2, beta=0.05, delta=0.0)
+    assert out == audit_module.audit(scores, included, guess_fraction=0.2, beta=0.05, delta=0.0)
+    assert out["epsilon_lower_bound"] > 0
