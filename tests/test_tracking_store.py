@@ -176,3 +176,28 @@ def test_report_of_an_unknown_run_id_is_one_line_and_exit_2(tmp_path, capsys):
     assert "belongs to experiment id" in capsys.readouterr().err
     assert main(["report", "e", "--tracking-uri", f"http://127.0.0.1:{_free_port()}"]) == 2
     assert "no MLflow tracking server answers" in capsys.readouterr().err
+
+
+def test_a_fresh_trial_logs_its_params_and_tags_in_one_write(tmp_path, monkeypatch):
+    """A trial's start is one store write (each is a SQLite commit, more than a small trial's
+    epoch); a reopened run reads what it holds first and adds only what is missing."""
+    from mlflow.tracking import MlflowClient
+
+    from trainables.tracking import TrialTracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    exp = MlflowClient(uri).create_experiment("e")
+    info = {"tracking_uri": uri, "experiment_id": exp, "parent_run_id": None}
+    tracker = TrialTracker.open(info, trial_id="t1", trial_name="dpsgd seed=0", trainable="dpsgd")
+    calls = []
+    for name in ("log_batch", "get_run", "set_tag"):
+        real = getattr(tracker.client, name)
+        monkeypatch.setattr(tracker.client, name, lambda *a, _n=name, _r=real, **k: calls.append(_n) or _r(*a, **k))
+    tracker.log_params({f"k{i}": i for i in range(150)}, tags={"dpsweep.device": "cpu", "x": "1"})
+    assert calls == ["log_batch", "log_batch"]  # 150 params: two batches of at most 100, the tags with the first
+    again = TrialTracker.open(info, trial_id="t1", trial_name="dpsgd seed=0", trainable="dpsgd")
+    assert again.run_id == tracker.run_id and not again.fresh
+    again.log_params({"k0": 0, "new": 1}, tags={"dpsweep.device": "cuda:0"})
+    run = MlflowClient(uri).get_run(tracker.run_id)
+    assert len(run.data.params) == 151 and run.data.params["new"] == "1"
+    assert run.data.tags["dpsweep.device"] == "cuda:0" and run.data.tags["x"] == "1"

@@ -188,16 +188,17 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         tracker = TrialTracker.open(info, trial_id=ctx.get_trial_id(), trial_name=name,
                                     trainable=trainable, run_id=meta.get("mlflow_run_id"))
         meta["mlflow_run_id"] = tracker.run_id
-        tracker.log_params({"trainable": trainable, **dumped,
-                            **({"repeat": config["repeat"]} if "repeat" in config else {})})
         from dpmech.user_code import source_params  # a user's model/dataset: its source's hash (this attempt's: tags)
 
-        for key, digest in source_params(dumped).items():
-            tracker.log_params({key: digest})
-            tracker.set_tag(f"dpsweep.{key}", digest)
-        tracker.set_tag(TAG_DEVICE, device_name(device))  # a tag: a retry may run on another node
+        digests = source_params(dumped)
         logged = [m for m in ("train_loss", *FINAL_DIAGNOSTICS) if m in diagnostic_names(schema)]
-        tracker.set_tag(TAG_DIAGNOSTICS, ", ".join(logged) if cfg.diagnostics else "none")
+        # params once per run (a retry keeps the first attempt's); tags per attempt: a retry may run
+        # on another node, with another copy of the user's code
+        tracker.log_params({"trainable": trainable, **dumped, **digests,
+                            **({"repeat": config["repeat"]} if "repeat" in config else {})},
+                           tags={**{f"dpsweep.{k}": d for k, d in digests.items()},
+                                 TAG_DEVICE: device_name(device),
+                                 TAG_DIAGNOSTICS: ", ".join(logged) if cfg.diagnostics else "none"})
     finished = False
     try:
         while mech.epoch < cfg.epochs:

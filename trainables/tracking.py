@@ -19,6 +19,7 @@ checkpoint (the same values: RNG states are checkpointed) without a second point
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -100,8 +101,9 @@ class TrialTracker:
     parent_run_id: str | None
     run_id: str
     logged: set[tuple[str, int]] = field(default_factory=set)  # (metric, step) pairs the run holds
+    fresh: bool = False  # created by this attempt: it holds no params yet
 
-    @property
+    @functools.cached_property
     def client(self):
         from mlflow.tracking import MlflowClient
 
@@ -128,19 +130,26 @@ class TrialTracker:
                 tags[TAG_PARENT] = parent
             run = retry(lambda: client.create_run(exp, tags=tags, run_name=trial_name), what="create_run")
             run_id = run.info.run_id
-            return cls(uri, exp, parent, run_id)
+            return cls(uri, exp, parent, run_id, fresh=True)
         retry(lambda: client.update_run(run_id, status="RUNNING"), what="update_run")
         return cls(uri, exp, parent, run_id, logged=_logged_points(client, run_id))
 
-    def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
+    def log_params(self, params: dict[str, Any], tags: dict[str, str] | None = None) -> None:
+        """Log the params the run does not hold yet, and ``tags``, in as few store writes as MLflow
+        allows (100 params and 100 tags a batch): one for a trial's start, where each write is a
+        SQLite commit that costs more than a small trial's epoch."""
+        from mlflow.entities import Param, RunTag
 
         flat = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
-        existing = retry(lambda: self.client.get_run(self.run_id), what="get_run").data.params
+        existing = {} if self.fresh else retry(lambda: self.client.get_run(self.run_id), what="get_run").data.params
         todo = [p for p in flat if p.key not in existing]
-        for i in range(0, len(todo), 100):
-            batch = todo[i:i + 100]
-            retry(lambda: self.client.log_batch(self.run_id, params=batch), what="log_batch(params)")
+        marks = [RunTag(k, str(v)[:5000]) for k, v in (tags or {}).items()]
+        for i in range(0, max(len(todo), len(marks), 1), 100):
+            batch, tag_batch = todo[i:i + 100], marks[i:i + 100]
+            if batch or tag_batch:
+                retry(lambda: self.client.log_batch(self.run_id, params=batch, tags=tag_batch),
+                      what="log_batch(params)")
+        self.fresh = False
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Log each metric at ``step`` unless the run already holds that (metric, step) pair."""
