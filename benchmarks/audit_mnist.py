@@ -9,25 +9,44 @@ Sections:
   best of a fixed grid for each bound separately. Beside them, the paper's Table 1 figures.
   The paper's m and guess counts were not available offline: the rows use m = 1000 and 10,000
   and record the gap to the paper (docs/audit.md).
-* ``whitebox.eps_*`` and ``bug_zoo``: to come with the white-box canaries (not measured yet; not
-  written).
+* ``bug_zoo``: each planted DP-SGD bug of benchmarks/bug_zoo.py (the doubles tests/test_bug_zoo.py
+  uses) audited in one run, {claim, lb, refuted}, and ``bug_zoo.correct.refute_rate`` of the
+  correct engine over 40 seeded runs (a minute or two).
+* ``whitebox.eps_1`` / ``eps_3`` / ``eps_8``: the shipped Tramer & Boneh recipes on full MNIST
+  (sweeps/dpsgd_mnist_tb*.yaml) trained once per seed with white-box canaries (50,000 isolated
+  Dirac canaries on an audit block, 2,000 on the network's largest tensor), the one-run bounds at
+  95%: {claim, fdp_lb, steinke_lb, canaries, acc_with_canaries, acc_without, seeds}, means over
+  the seeds and each seed's value. Each (unit, seed) writes
+  ``benchmarks/results/audit_mnist_runs/<unit>_seed<k>.json`` (and its canary scores, .npz) when it
+  ends; a unit already there is skipped and one another process is running (a ``.running`` file)
+  too, so runs resume and two processes can share the units. ``--only merge`` rebuilds the
+  section from the run files. ~10-15 minutes per 40-epoch run on one core.
 
-Run: ``.venv/bin/python -m benchmarks.audit_mnist`` (seconds; CPU).
+Run: ``.venv/bin/python benchmarks/audit_mnist.py [--only SECTION|UNIT ...] [--seeds 0 1 2] [--demo]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from scipy.optimize import brentq
 from scipy.stats import norm
 
-from benchmarks.common import environment, log, write_result
-from dpmech.audit import epsilon_lower_bound
-from dpmech.audit_fdp import fdp_epsilon_lower_bound
-from dpmech.audit_gdp import gdp_epsilon
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.audit_block import AuditBlock  # noqa: E402
+from benchmarks.common import RESULTS, environment, log, write_result  # noqa: E402
+from dpmech.audit import epsilon_lower_bound  # noqa: E402
+from dpmech.audit_fdp import fdp_epsilon_lower_bound  # noqa: E402
+from dpmech.audit_gdp import gdp_epsilon  # noqa: E402
 
 DELTA = 1e-5
 BETA = 0.05
@@ -73,12 +92,276 @@ def gaussian_table(ms=(1000, 10000)) -> dict:
     return out
 
 
-def main() -> None:
-    payload = {"benchmark": "audit_mnist", "date": _dt.date.today().isoformat(),
-               "environment": environment(torch.device("cpu")), "delta": DELTA, "beta": BETA,
-               "gaussian_table": gaussian_table()}
-    path = write_result("audit_mnist", payload)
-    log(f"wrote {path}")
+# ------------------------------------------------------------------ white-box audits on full MNIST
+RUNS = RESULTS / "audit_mnist_runs"
+EPSILONS = {"eps_1": 1.0, "eps_3": 3.0, "eps_8": 8.0}
+# canaries and guesses, fixed before any run from the idealised simulation of each recipe's
+# (q, sigma, T) (docs/audit.md, "Full MNIST"): 50,000 Dirac canaries on the audit block
+# ("isolated"), guess_fraction 0.01; and 2,000 on the network's largest tensor ("real"), 0.05
+ISOLATED = {"m": 50000, "side": 224, "guess_fraction": 0.01}
+REAL = {"m": 2000, "guess_fraction": 0.05}
+ESTIMATORS = ("fdp", "steinke", "gdp")
+
+
+def recipe(name: str) -> dict:
+    """The shipped Tramer & Boneh recipes (benchmarks/dpsgd_mnist_full.py's, = sweeps/dpsgd_mnist_tb*.yaml);
+    epsilon 8 is sweeps/dpsgd_mnist_tb_eps8.yaml (the epsilon-3 recipe at epsilon 8)."""
+    from benchmarks.dpsgd_mnist_full import RECIPES
+
+    if name == "eps_8":
+        return dict(RECIPES["eps_3"], epsilon=8.0)
+    return dict(RECIPES[name])
+
+
+class CanarySets:
+    """Two independent sets of white-box canaries in one run (both are examples of D, each sampled
+    at q): ``isolated`` on the audit block (the last parameter), ``real`` on the network's largest
+    tensor. The engine sees one canaries object."""
+
+    def __init__(self, isolated, real):
+        self.isolated, self.real = isolated, real
+
+    def attach(self, params, **kw):
+        self.real.attach(params[:-1], **kw)      # the network's parameters only
+        self.isolated.attach(params, **kw)       # 'largest': the audit block
+
+    def insert(self, sums):
+        self.isolated.insert(sums)
+        self.real.insert(sums)
+
+    def observe(self, noisy):
+        self.isolated.observe(noisy)
+        self.real.observe(noisy)
+
+    def state_dict(self):
+        return {"isolated": self.isolated.state_dict(), "real": self.real.state_dict()}
+
+
+def whitebox_run(name: str, seed: int, epochs: int | None = None, train_size: int | None = None) -> dict:
+    """One full training of recipe ``name`` with both canary sets; the audits at 95%."""
+    from benchmarks.dpsgd_mnist_full import dpsgd_config
+    from dpmech.audit_whitebox import WhiteBoxCanaries
+    from dpmech.data import load_splits
+    from dpmech.dpsgd import DPSGDTrainer, build_dpsgd_model
+
+    rec = recipe(name)
+    if epochs is not None:
+        rec["epochs"] = epochs
+    train, test = load_splits("mnist", train_size=train_size, test_size=None, seed=0)
+    x, y = train.tensors
+    xt, yt = test.tensors
+    iso = WhiteBoxCanaries(ISOLATED["m"], seed=seed, placement="largest")
+    real = WhiteBoxCanaries(REAL["m"], seed=seed + 10_000, placement="largest")
+    model = AuditBlock(build_dpsgd_model("mnist", seed, rec["model"]), ISOLATED["side"])
+    cfg = dpsgd_config(rec, seed, "bk")
+    trainer = DPSGDTrainer(model, x, y, cfg, plan_size=x.shape[0], canaries=CanarySets(iso, real))
+    unit = f"{name} seed {seed}"
+    log(f"[{unit}] {cfg.epochs} epochs, q={trainer.plan.sampling_rate:.5f}, sigma={trainer.noise_multiplier:.4f}, "
+        f"steps={trainer.plan.steps}, canaries {iso.m} isolated + {real.m} real")
+    t0 = time.perf_counter()
+    for e in range(cfg.epochs):
+        trainer.train_epoch()
+        log(f"[{unit}] epoch {e + 1}/{cfg.epochs} ({time.perf_counter() - t0:.0f}s)")
+    p = trainer.privacy()
+    delta = rec["delta"]
+    out = {"unit": name, "seed": seed, "recipe": rec, "clipping": "bk", "train_size": int(x.shape[0]),
+           "claim": p["epsilon"], "claim_pld": p["epsilon_pld"], "noise_multiplier": p["noise_multiplier"],
+           "sampling_rate": p["sampling_rate"], "steps": p["steps"],
+           "acc_with_canaries": trainer.accuracy(xt, yt), "train_seconds": time.perf_counter() - t0,
+           "threads": torch.get_num_threads()}
+    for key, can, spec in (("isolated", iso, ISOLATED), ("real", real, REAL)):
+        a = can.audit(delta=delta, estimators=ESTIMATORS, beta=BETA, guess_fraction=spec["guess_fraction"])
+        a.update(guess_fraction=spec["guess_fraction"], canaries_in_batch_mean=float(can.sampled[can.included].mean()))
+        out[key] = a
+    out["fdp_lb"] = out["isolated"]["audit_epsilon_lb_fdp"]
+    out["steinke_lb"] = out["isolated"]["audit_epsilon_lb_steinke"]
+    log(f"[{unit}] acc {out['acc_with_canaries']:.4f} claim {out['claim']:.3f} fdp_lb {out['fdp_lb']:.3f} "
+        f"steinke_lb {out['steinke_lb']:.3f} (real coordinates: fdp {out['real']['audit_epsilon_lb_fdp']:.3f}, "
+        f"steinke {out['real']['audit_epsilon_lb_steinke']:.3f}) in {out['train_seconds']:.0f}s")
+    return out, {"isolated_scores": iso.scores, "isolated_included": iso.included,
+                 "real_scores": real.scores, "real_included": real.included}
+
+
+def run_units(units: list[str], seeds: list[int], demo: bool) -> None:
+    RUNS.mkdir(parents=True, exist_ok=True)
+    for seed in seeds:
+        for name in units:
+            stem = f"{name}_seed{seed}" + ("_demo" if demo else "")
+            path = RUNS / f"{stem}.json"
+            if path.exists():
+                log(f"[{stem}] already done, skipped")
+                continue
+            claim = RUNS / f"{stem}.running"     # another process runs it (delete if stale)
+            try:
+                claim.open("x").close()
+            except FileExistsError:
+                log(f"[{stem}] claimed by another process, skipped")
+                continue
+            try:
+                out, scores = whitebox_run(name, seed, **(DEMO if demo else {}))
+                out["demo"] = demo
+                out["environment"] = environment(torch.device("cpu"))
+                np.savez_compressed(RUNS / f"{stem}_scores.npz",
+                                    **{k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in scores.items()})
+                write_result("audit_mnist", out, out=path)
+            finally:
+                claim.unlink(missing_ok=True)
+
+
+DEMO = {"epochs": 1, "train_size": 3000}
+
+
+# ------------------------------------------------------------------ the bug zoo
+def bug_zoo_section(runs: int = 40) -> dict:
+    """``bug_zoo.<bug>`` = {claim, lb, refuted, setting, statistics} from one run (seed 0) of each
+    planted bug (benchmarks/bug_zoo.py, the doubles tests/test_bug_zoo.py uses), and
+    ``bug_zoo.correct`` = the correct engine's refutations over ``runs`` seeded runs, spread over
+    the zoo's settings in proportion to the bugs that use each."""
+    from benchmarks import bug_zoo as zoo
+
+    out = {}
+    for bug in zoo.BUGS:
+        t0 = time.perf_counter()
+        r = zoo.run(bug, seed=0)
+        out[bug] = {"claim": r["claim"], "lb": r["lb"], "refuted": r["refuted"], "setting": r["setting"],
+                    "statistics": r["statistics"], "seconds": time.perf_counter() - t0}
+        log(f"bug_zoo {bug}: claim {r['claim']:.3f} lb {r['lb']:.3f} refuted {r['refuted']}")
+    settings = [zoo.BUGS[b][1] for b in zoo.BUGS]
+    plan = [(s, settings.count(s)) for s in zoo.SETTINGS]
+    total = sum(k for _, k in plan)
+    counts = {s: round(runs * k / total) for s, k in plan}
+    counts[plan[-1][0]] += runs - sum(counts.values())
+    by_setting, ratios, seed = {}, [], 1000
+    for s, n in counts.items():
+        refuted = 0
+        for _ in range(n):
+            r = zoo.run(None, seed=seed, setting=s)
+            seed += 1
+            refuted += r["refuted"]
+            ratios.append(r["lb"] / r["claim"])
+        by_setting[s] = {"runs": n, "refuted": refuted, "claim": r["claim"]}
+        log(f"bug_zoo correct engine, {s}: {refuted} of {n} refuted")
+    n_ref = sum(v["refuted"] for v in by_setting.values())
+    out["correct"] = {"runs": runs, "refuted": n_ref, "refute_rate": n_ref / runs, "by_setting": by_setting,
+                      "lb_over_claim_mean": statistics.fmean(ratios), "lb_over_claim_max": max(ratios),
+                      "seeds": f"1000-{999 + runs}"}
+    out["auditor"] = {"canaries": zoo.M, "guess_fraction": zoo.GUESS_FRACTION, "statistics": list(zoo.STATISTICS),
+                      "bound": "dpmech.audit_fdp.eps_delta_lower_bound at beta / 3 per statistic (rigorous)",
+                      "beta": zoo.BETA, "delta": zoo.DELTA, "settings": zoo.SETTINGS}
+    return out
+
+
+# ------------------------------------------------------------------ the merged white-box results
+TARGETS = {"eps_1": {"fdp_lb": 0.5}, "eps_3": {"fdp_lb": 1.5, "steinke_lb": 1.2}, "eps_8": {"fdp_lb": 4.0}}
+ACC_COST_TARGET = {"eps_3": 0.003}
+
+
+def whitebox_section(demo: bool = False) -> dict:
+    """``whitebox.<unit>`` from the run files present: means over the seeds and each seed's values;
+    ``acc_without`` from benchmarks/results/dpsgd_mnist_full.json (the same recipe and seeds
+    without canaries), where it has the unit."""
+    full = RESULTS / "dpsgd_mnist_full.json"
+    plain = json.loads(full.read_text())["accuracy"] if full.exists() else {}
+    out = {}
+    for unit in EPSILONS:
+        suffix = "_demo" if demo else ""
+        runs = sorted((json.loads(p.read_text()) for p in RUNS.glob(f"{unit}_seed*{suffix}.json")
+                       if p.stem.endswith("_demo") == demo), key=lambda r: r["seed"])
+        if not runs:
+            continue
+        seeds = {}
+        base = plain.get(unit) if not demo else None
+        for r in runs:
+            without = None
+            if base and r["seed"] in base.get("seed_ids", []):
+                without = base["seeds"][base["seed_ids"].index(r["seed"])]
+            seeds[str(r["seed"])] = {
+                "claim": r["claim"], "fdp_lb": r["fdp_lb"], "steinke_lb": r["steinke_lb"],
+                "mu_lb_fdp": r["isolated"]["audit_mu_lb_fdp"], "gdp_estimate": r["isolated"]["audit_epsilon_est_gdp"],
+                "correct": r["isolated"]["audit_correct"], "guesses": r["isolated"]["audit_guesses"],
+                "real_coordinates": {k: r["real"][f"audit_epsilon_lb_{k}"] for k in ("fdp", "steinke")},
+                "acc_with_canaries": r["acc_with_canaries"], "acc_without": without,
+                "train_seconds": r["train_seconds"]}
+        vals = list(seeds.values())
+
+        def mean(key, rows=vals):
+            xs = [v[key] for v in rows if v[key] is not None]
+            return statistics.fmean(xs) if len(xs) == len(rows) else None
+        entry = {"claim": mean("claim"), "fdp_lb": mean("fdp_lb"), "steinke_lb": mean("steinke_lb"),
+                 "gdp_estimate": mean("gdp_estimate"),
+                 "canaries": {"isolated": ISOLATED["m"], "real": REAL["m"]},
+                 "acc_with_canaries": mean("acc_with_canaries"), "acc_without": mean("acc_without"),
+                 "real_coordinates": {k: statistics.fmean(v["real_coordinates"][k] for v in vals)
+                                      for k in ("fdp", "steinke")},
+                 "seeds": seeds, "seed_ids": [int(k) for k in seeds], "recipe": runs[0]["recipe"],
+                 "noise_multiplier": runs[0]["noise_multiplier"], "sampling_rate": runs[0]["sampling_rate"],
+                 "steps": runs[0]["steps"], "guess_fraction": {"isolated": ISOLATED["guess_fraction"],
+                                                                "real": REAL["guess_fraction"]}}
+        if entry["acc_without"] is not None:
+            entry["acc_cost"] = entry["acc_without"] - entry["acc_with_canaries"]
+            entry["acc_without_source"] = ("benchmarks/results/dpsgd_mnist_full.json accuracy." + unit +
+                                           " (the same recipe and seeds, no canaries, no audit block; not retrained)")
+        else:
+            entry["acc_without_source"] = "not measured (no run of this recipe without canaries)"
+        if not demo:
+            entry["targets"] = dict(TARGETS[unit], **({"acc_cost": ACC_COST_TARGET[unit]} if unit in ACC_COST_TARGET else {}))
+            met = {k: entry[k] is not None and entry[k] >= t for k, t in TARGETS[unit].items()}
+            if unit in ACC_COST_TARGET:
+                met["acc_cost"] = entry.get("acc_cost") is not None and entry["acc_cost"] <= ACC_COST_TARGET[unit]
+            entry["met"] = met
+        out[unit] = entry
+    return out
+
+
+def write_sections(sections: dict, demo: bool = False) -> Path:
+    """Merge ``sections`` into the results file (sections not given are kept as they are)."""
+    name = "audit_mnist_demo" if demo else "audit_mnist"
+    path = RESULTS / f"{name}.json"
+    payload = json.loads(path.read_text()) if path.exists() else {"benchmark": name}
+    payload.update(sections)
+    payload.update(date=_dt.date.today().isoformat(), environment=environment(torch.device("cpu")),
+                   delta=DELTA, beta=BETA)
+    return write_result(name, payload, out=path)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="+", default=None,
+                    choices=["gaussian_table", "bug_zoo", "whitebox", *EPSILONS, "merge"],
+                    help="sections (gaussian_table, bug_zoo, whitebox = every epsilon) or white-box units "
+                         "(eps_1, eps_3, eps_8); merge: rebuild whitebox from the run files only")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--demo", action="store_true",
+                    help="white-box units on 3,000 images for 1 epoch (a minute), written to audit_mnist_demo.json")
+    ap.add_argument("--zoo-runs", type=int, default=40, help="correct-engine runs of the bug zoo's refute rate")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    only = set(args.only or ["gaussian_table", "bug_zoo", "whitebox"])
+    sections = {}
+    if "gaussian_table" in only and not args.demo:
+        sections["gaussian_table"] = gaussian_table()
+    if "bug_zoo" in only and not args.demo:
+        sections["bug_zoo"] = bug_zoo_section(args.zoo_runs)
+    units = [u for u in EPSILONS if u in only or "whitebox" in only]
+    if units:
+        run_units(units, args.seeds, args.demo)
+    if units or "merge" in only:
+        sections["whitebox"] = whitebox_section(args.demo)
+        sections["whitebox_setup"] = {
+            "isolated": dict(ISOLATED, where="an audit block (benchmarks/audit_block.py): a side x side linear "
+                             "layer on zeros, coordinates no real example touches"),
+            "real": dict(REAL, where="the network's largest tensor (classifier.1.weight, 16,384 coordinates)"),
+            "fdp_lb": "isolated canaries, audit_epsilon_lb_fdp (Mahloujifar et al.; a lower bound within the "
+                      "Gaussian family)", "steinke_lb": "isolated canaries, audit_epsilon_lb_steinke (rigorous)",
+            "confidence": 1 - BETA, "clipping": "bk", "statistic": "llr"}
+    if sections:
+        path = write_sections(sections, args.demo)
+        log(f"wrote {path}")
+        for unit, e in sections.get("whitebox", {}).items():
+            log(f"{unit}: claim {e['claim']:.3f} fdp_lb {e['fdp_lb']:.3f} steinke_lb {e['steinke_lb']:.3f} "
+                f"acc {e['acc_with_canaries']:.4f} (without {e['acc_without']}) seeds {e['seed_ids']}")
 
 
 if __name__ == "__main__":
