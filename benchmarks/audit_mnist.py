@@ -226,6 +226,15 @@ def bug_zoo_section(runs: int = 40) -> dict:
         out[bug] = {"claim": r["claim"], "lb": r["lb"], "refuted": r["refuted"], "setting": r["setting"],
                     "statistics": r["statistics"], "seconds": time.perf_counter() - t0}
         log(f"bug_zoo {bug}: claim {r['claim']:.3f} lb {r['lb']:.3f} refuted {r['refuted']}")
+    t0 = time.perf_counter()
+    r = zoo.multi_run_audit("actual_batch_norm", runs=200)
+    c = zoo.multi_run_audit(None, runs=200)
+    out["actual_batch_norm_multi_run"] = dict(r, correct_engine_lb=c["lb"], correct_engine_refuted=c["refuted"],
+                                              seconds=time.perf_counter() - t0,
+                                              note="200 independent runs of Opacus #571's setting (2 examples), one "
+                                                   "canary each; not a one-run audit")
+    log(f"bug_zoo actual_batch_norm, 200 runs of 2 examples: claim {r['claim']:.3f} lb {r['lb']:.3f} "
+        f"(correct engine {c['lb']:.3f})")
     settings = [zoo.BUGS[b][1] for b in zoo.BUGS]
     plan = [(s, settings.count(s)) for s in zoo.SETTINGS]
     total = sum(k for _, k in plan)

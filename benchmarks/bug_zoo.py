@@ -298,3 +298,71 @@ def run(bug: str | None, seed: int, setting: str | None = None, m: int = M) -> d
     out = audit(can, t.privacy()["epsilon"])
     out.update(bug=bug, setting=name, seed=seed, steps=t.steps)
     return out
+
+
+# ------------------------------------------------------------------ #571 with many runs
+# Opacus #571's setting: 2 examples; one canary per run, in D by a fair coin; q = 1/2, 20 steps, sigma 8
+# (claim 1.18)
+TINY = dict(n=2, batch_size=1, noise_multiplier=8.0, epochs=10, side=32)
+
+
+class CountingCanary(ZooCanaries):
+    """One canary that also reads the batch size drawn from the update: the auditor sees the
+    whole audit block, whose other coordinates carry only noise of std sigma C B / |B_t| (the
+    engine scales the noisy sum by 1 / |B_t| where it should by 1 / B), so |B_t| = B sigma C /
+    their root mean square, rounded. Per step it adds the log-likelihood ratio of (|B_t|, x_t)
+    under "the canary is in D" (|B_t| - b ~ Binomial(n, q), b ~ Bernoulli(q), x_t ~ N(b, sigma^2))
+    against "it is not" (|B_t| ~ Binomial(n, q), x_t ~ N(0, sigma^2))."""
+
+    def __init__(self, included: bool, *, n_real: int, batch_size: int, seed: int = 0):
+        super().__init__(1, seed=seed)
+        self.included = np.array([bool(included)])
+        self.n_real, self.B = n_real, batch_size
+        self.counts = []
+
+    def observe(self, noisy):
+        from scipy.stats import binom
+
+        block = noisy[self._k].detach().reshape(-1).to("cpu", torch.float64)
+        c = int(self._local[0])
+        others = torch.cat([block[:c], block[c + 1:]])
+        rms = float(others.square().mean().sqrt()) / (self.sigma * self.C)
+        drawn = max(0, round(self.B / rms)) if rms > 0 else 0
+        self.counts.append(drawn)
+        x = float(block[c]) * (drawn / self.B if drawn else 1.0) / self.C
+        s2, q = self.sigma ** 2, self.q
+        lx0, lx1 = -x * x / (2 * s2), -(x - 1) ** 2 / (2 * s2)
+        p0 = binom.pmf(drawn, self.n_real, q)
+        p1 = (1 - q) * p0 * math.exp(lx0) + q * binom.pmf(drawn - 1, self.n_real, q) * math.exp(lx1)
+        self.scores[0] += 50.0 if p0 == 0 else math.log(max(p1, 1e-300) / (p0 * math.exp(lx0)))
+        self.steps += 1
+
+
+def multi_run_audit(bug: str | None, runs: int = 200, seed: int = 0, guess_fraction: float = 0.5) -> dict:
+    """``runs`` independent trainings on :data:`TINY`, one canary each (the one-run theorem
+    applies to them as to m canaries of one run: the inclusions are independent fair coins); the
+    (epsilon, delta)-curve bound at 95% on the count-and-coordinate LLR scores."""
+    cls = DPSGDTrainer if bug is None else BUGS[bug][0]
+    s = TINY
+    coins = np.random.default_rng(np.random.SeedSequence([seed, 571])).random(runs) < 0.5
+    scores = np.zeros(runs)
+    claim = None
+    for r in range(runs):
+        x, y = data(s["n"], seed * runs + r)
+        cfg = DPSGDConfig(epsilon=None, noise_multiplier=s["noise_multiplier"], delta=DELTA, max_grad_norm=1.0,
+                          batch_size=s["batch_size"], epochs=s["epochs"], lr=0.1, momentum=0.0, clipping="bk",
+                          seed=seed * runs + r)
+        can = CountingCanary(coins[r], n_real=s["n"], batch_size=s["batch_size"], seed=seed * runs + r)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(r)
+            net = AuditBlock(nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), s["side"])
+        t = cls(net, x, y, cfg, canaries=can)
+        t.fit()
+        scores[r] = can.scores[0]
+        claim = t.privacy()["epsilon"]
+    k_pos, k_neg = guess_counts(runs, guess_fraction)
+    g = guesses(scores, k_pos, k_neg)
+    rr, v = int(np.count_nonzero(g)), int(np.count_nonzero(g * np.where(coins, 1, -1) == 1))
+    lb = eps_delta_lower_bound(runs, rr, v, delta=DELTA, beta=BETA)
+    return {"claim": claim, "lb": lb, "refuted": bool(lb > claim), "runs": runs, "guesses": rr, "correct": v,
+            "setting": dict(s)}

@@ -8,7 +8,9 @@ the same 40-run procedure on a buggy engine refutes it (negative control).
   Bonferroni over three statistics) exceeds the engine's own claim; the correct engine on the
   same setting and seed does not.
 * Opacus #571 (dividing by the batch actually drawn) is the one bug a one-run audit cannot
-  refute: its leak (the batch size) is shared by all canaries (docs/audit.md, "The bug zoo").
+  refute: its leak (the batch size) is shared by all canaries (docs/audit.md, "The bug zoo");
+  60 runs of #571's own setting (2 examples, one canary per run) refute it, and not the
+  correct engine.
 """
 
 from __future__ import annotations
@@ -87,3 +89,11 @@ def test_correct_engine_refuted_at_most_5_percent_of_40_runs_and_a_bug_most():
     # negative control: the same procedure on the noise-x0.5 engine refutes almost every run
     buggy = [run("noise_half", seed=100 + i)["refuted"] for i in range(40)]
     assert sum(buggy) >= 36, sum(buggy)
+
+
+@pytest.mark.slow
+def test_actual_batch_normalisation_refuted_by_many_runs_of_a_tiny_dataset():
+    got = zoo.multi_run_audit("actual_batch_norm", runs=60)
+    control = zoo.multi_run_audit(None, runs=60)
+    assert got["refuted"] and got["correct"] == got["guesses"], got          # every guess right
+    assert not control["refuted"], control
