@@ -170,18 +170,24 @@ def guess_counts(m: int, guess_fraction: float) -> tuple[int, int]:
     return total - total // 2, total // 2
 
 
+def guess_outcome(scores, included, guess_fraction: float, name: str = "audit_guess_fraction"
+                  ) -> tuple[int, int, int]:
+    """``(m, r, v)``: canaries, guesses and right guesses when the top and bottom ``guess_fraction``
+    / 2 of the scores are guessed "in" and "out" (fixed in advance, so no bound is tuned on the
+    outcome; the one guessing rule of every estimator here)."""
+    included = np.asarray(included, dtype=bool)
+    m = included.shape[0]
+    guess_fraction = v.unit_interval(name, guess_fraction, low_open=True)
+    g = guesses(scores, *guess_counts(m, guess_fraction))
+    r = int(np.count_nonzero(g))
+    return m, r, int(np.count_nonzero(g * np.where(included, 1, -1) == 1))
+
+
 def audit(scores: np.ndarray, included: np.ndarray, *, guess_fraction: float = 0.2, beta: float = 0.05,
           delta: float = 0.0) -> dict[str, float]:
     """The one-run audit of a set of canary scores: guesses on ``guess_fraction`` of the canaries
     (half "in", half "out"), fixed in advance so the bound is not tuned on the outcome."""
-    included = np.asarray(included, dtype=bool)
-    m = included.shape[0]
-    guess_fraction = v.unit_interval("audit_guess_fraction", guess_fraction, low_open=True)
-    k_pos, k_neg = guess_counts(m, guess_fraction)
-    g = guesses(scores, k_pos, k_neg)
-    secret = np.where(included, 1, -1)
-    r = int(np.count_nonzero(g))
-    correct = int(np.count_nonzero(g * secret == 1))
+    m, r, correct = guess_outcome(scores, included, guess_fraction)
     return {"epsilon_lower_bound": epsilon_lower_bound(r, correct, beta=beta, delta=delta, m=m),
             "audit_canaries": float(m), "audit_guesses": float(r), "audit_correct": float(correct),
             "audit_beta": float(beta)}
@@ -226,14 +232,9 @@ def run_estimators(scores, included, *, estimators=ESTIMATORS, beta: float = 0.0
         raise ValueError(f"scores: need one score per canary, got {scores.shape} scores for {included.shape} canaries")
     if not np.all(np.isfinite(scores)):
         raise ValueError("scores: every canary score must be finite")
-    m = included.shape[0]
     beta = v.open_unit("beta", beta)
     delta = v.unit_interval("delta", delta, high_open=True)
-    guess_fraction = v.unit_interval("guess_fraction", guess_fraction, low_open=True)
-    k_pos, k_neg = guess_counts(m, guess_fraction)
-    g = guesses(scores, k_pos, k_neg)
-    r = int(np.count_nonzero(g))
-    correct = int(np.count_nonzero(g * np.where(included, 1, -1) == 1))
+    m, r, correct = guess_outcome(scores, included, guess_fraction, name="guess_fraction")
     out = {"audit_canaries": float(m), "audit_guesses": float(r), "audit_correct": float(correct),
            "audit_beta": float(beta)}
     if "steinke" in names:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-import numpy as np
 from scipy.special import ndtr, ndtri
 
 from dpmech import _validate as v
@@ -98,18 +97,7 @@ def mu_lower_bound(m: int, r: int, v_correct: int, *, beta: float = 0.05, k: int
 
     if v_correct == 0 or not rej(1e-9):
         return 0.0
-    lo, hi = 1e-9, 1.0
-    while rej(hi):
-        lo, hi = hi, hi * 2
-        if hi > 64:  # G_64 is indistinguishable from perfect leakage in double precision
-            return lo
-    while hi - lo > tol:
-        mid = (lo + hi) / 2
-        if rej(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    return _largest_rejected(rej, 1e-9, cap=64.0, tol=tol)  # G_64: perfect leakage in double precision
 
 
 def fdp_epsilon_lower_bound(m: int, r: int, v_correct: int, *, delta: float, beta: float = 0.05,
@@ -135,10 +123,17 @@ def eps_delta_lower_bound(m: int, r: int, v_correct: int, *, delta: float, beta:
 
     if v_correct == 0 or not rej(0.0):
         return 0.0
-    lo, hi = 0.0, 1.0
+    return _largest_rejected(rej, 0.0, cap=1e3, tol=tol)
+
+
+def _largest_rejected(rej: Callable[[float], bool], lo: float, *, cap: float, tol: float) -> float:
+    """The largest parameter that ``rej`` rejects, given that ``lo`` is rejected and rejection is
+    monotone (doubling to bracket it, at most ``cap``, then bisection): the low end of the final
+    bracket, so never above the exact value."""
+    hi = 1.0
     while rej(hi):
         lo, hi = hi, hi * 2
-        if hi > 1e3:
+        if hi > cap:
             return lo
     while hi - lo > tol:
         mid = (lo + hi) / 2
@@ -154,16 +149,9 @@ def audit_fdp(scores, included, *, guess_fraction: float = 0.2, beta: float = 0.
     """The one-run f-DP audit of a set of canary scores (higher = more likely a member): the same
     fixed guesses as ``dpmech.audit.audit`` (the top and bottom ``guess_fraction`` / 2 of the
     canaries), then ``mu_lower_bound`` and its epsilon at ``delta``."""
-    from dpmech.audit import guess_counts, guesses
+    from dpmech.audit import guess_outcome
 
-    included = np.asarray(included, dtype=bool)
-    m = included.shape[0]
-    guess_fraction = v.unit_interval("audit_guess_fraction", guess_fraction, low_open=True)
-    k_pos, k_neg = guess_counts(m, guess_fraction)
-    g = guesses(scores, k_pos, k_neg)
-    secret = np.where(included, 1, -1)
-    r = int(np.count_nonzero(g))
-    correct = int(np.count_nonzero(g * secret == 1))
+    m, r, correct = guess_outcome(scores, included, guess_fraction)
     mu = mu_lower_bound(m, r, correct, beta=beta)
     return {"fdp_mu_lower_bound": mu,
             "fdp_epsilon_lower_bound": gdp_epsilon(mu, v.open_unit("delta", delta)) if mu > 0 else 0.0,
