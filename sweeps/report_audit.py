@@ -14,14 +14,9 @@ import math
 from pathlib import Path
 
 import numpy as np
+from sweeps.report_data import as_number as _num
 
 
-def _num(value) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        return math.nan
-    return out
 
 
 def lower_bound_column(trials) -> str | None:

@@ -72,6 +72,14 @@ def _typed(value: str):
     return value
 
 
+def as_number(value) -> float:
+    """A table cell as a float (NaN for a missing or non-numeric one)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def metric_value(value) -> float:
     """A metric as logged: MLflow's SQL store keeps +-inf (a non-private trial's epsilon) as
     +-1.797e308, the largest float; read that back as infinity."""

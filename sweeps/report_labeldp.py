@@ -20,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+from sweeps.report_data import as_number as _num
 
 FIGURE = "label_dp_accuracy_mse_vs_epsilon.png"
 # MLflow's SQL store writes +inf as the largest float; anything this large is "no guarantee"
@@ -37,12 +38,6 @@ _REG_STYLE = {"laplace": ("tab:red", "o", "Laplace (clamped to [0, 9])"),
               "rr": ("tab:purple", "^", "randomized response")}
 
 
-def _num(value) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        return math.nan
-    return out
 
 
 def rows_from_trials(trials) -> list[dict]:

@@ -45,6 +45,7 @@ from sweeps.report_data import (
     varying_columns,
     with_groups,
 )
+from sweeps.report_data import as_number as _num
 
 ACC = re.compile(r"^acc_(fgsm|ifgsm|mim|pgd)_([0-9.eE+-]+)$")
 CERT = re.compile(r"^(smooth_)?cert_acc_([0-9.eE+-]+)$")
@@ -73,11 +74,6 @@ def _sd(values) -> np.ndarray:
     return np.nan_to_num(np.asarray(values, dtype=np.float64), nan=0.0)
 
 
-def _num(value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def _matches_any(trials, where: dict) -> bool:
