@@ -160,17 +160,23 @@ def cmd_run(args) -> int:
     130 or 143 (issue 24, point 10). Before the parent run exists nothing is recorded; from then
     on the sweep stops through ``_interrupted``: the parent run and its RUNNING child runs KILLED,
     the resume command printed."""
+    return _under_interrupts(_run, args, "before the sweep started: no MLflow run was created, nothing to resume")
+
+
+def _under_interrupts(body, args, before: str) -> int:
+    """``body(args, interrupts, sweep)`` under the driver's SIGINT/SIGTERM handling; ``sweep`` fills in
+    with the parent run's info, the experiment directory and the trial count once they exist, and an
+    interrupt before that says ``before``."""
     from sweeps.signals import Interrupts
 
-    sweep: dict = {}  # the parent run's info, the experiment directory and the trial count, once they exist
+    sweep: dict = {}
     with Interrupts() as interrupts:
         try:
-            return _run(args, interrupts, sweep)
+            return body(args, interrupts, sweep)
         except KeyboardInterrupt:
             if "info" in sweep:
                 return _interrupted(sweep["info"], sweep["exp_dir"], None, sweep["total"], interrupts)
-            print(f"dpsweep: interrupted ({interrupts.name}) before the sweep started: no MLflow run was "
-                  f"created, nothing to resume", file=sys.stderr, flush=True)
+            print(f"dpsweep: interrupted ({interrupts.name}) {before}", file=sys.stderr, flush=True)
             return interrupts.exit_code
 
 
@@ -453,18 +459,7 @@ def cmd_resume(args) -> int:
     """``dpsweep resume EXPERIMENT_PATH``: finish an interrupted sweep, under the same signal
     handling as ``run`` (``cmd_run``): interrupted again, it exits 130/143 with the parent run
     KILLED and the same resume command."""
-    from sweeps.signals import Interrupts
-
-    sweep: dict = {}
-    with Interrupts() as interrupts:
-        try:
-            return _resume(args, interrupts, sweep)
-        except KeyboardInterrupt:
-            if "info" in sweep:
-                return _interrupted(sweep["info"], sweep["exp_dir"], None, sweep["total"], interrupts)
-            print(f"dpsweep: interrupted ({interrupts.name}) before the sweep resumed: nothing changed",
-                  file=sys.stderr, flush=True)
-            return interrupts.exit_code
+    return _under_interrupts(_resume, args, "before the sweep resumed: nothing changed")
 
 
 def _resume(args, interrupts, sweep: dict) -> int:
