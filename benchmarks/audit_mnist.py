@@ -260,6 +260,43 @@ def bug_zoo_section(runs: int = 40) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ the auditor's ceiling on our setting
+def ceiling_section(seed: int = 0) -> dict:
+    """``whitebox_ceiling.<unit>``: the same auditor (50,000 canaries, the LLR statistic, guess
+    fraction 0.01, 95%) on the idealised mechanism of each recipe's plan (q, sigma, T): every
+    canary's projection is exactly b_t + N(0, sigma^2), nothing else lands on its coordinate. One
+    simulated run per unit: what the one-run audit can reach on our setting (Keinan et al.'s
+    ceiling, measured), against which the trained runs are read."""
+    from dpmech.audit import run_estimators
+    from dpmech.dpsgd import plan
+
+    from benchmarks.dpsgd_mnist_full import dpsgd_config
+
+    out = {}
+    for unit in EPSILONS:
+        rec = recipe(unit)
+        p = plan(dpsgd_config(rec, seed, "bk"), 60000)
+        q, sigma, steps = p.sampling_rate, p.noise_multiplier, p.steps
+        rng = np.random.default_rng(np.random.SeedSequence([seed, 8, int(rec["epsilon"] * 10)]))
+        m = ISOLATED["m"]
+        included = rng.random(m) < 0.5
+        scores = np.zeros(m)
+        log_keep, log_q = np.log1p(-q), np.log(q)
+        for _ in range(steps):
+            x = ((rng.random(m) < q) & included) + sigma * rng.standard_normal(m)
+            scores += np.logaddexp(log_keep, log_q + (x - 0.5) / sigma ** 2)
+        a = run_estimators(scores, included, estimators=ESTIMATORS, beta=BETA, delta=rec["delta"],
+                           guess_fraction=ISOLATED["guess_fraction"])
+        clt_mu = q * np.sqrt(steps * (np.exp(sigma ** -2) - 1))
+        out[unit] = {"fdp_lb": a["audit_epsilon_lb_fdp"], "steinke_lb": a["audit_epsilon_lb_steinke"],
+                     "gdp_estimate": a["audit_epsilon_est_gdp"], "clt_mu": float(clt_mu),
+                     "clt_epsilon": gdp_epsilon(float(clt_mu), rec["delta"]), "q": q, "sigma": sigma, "steps": steps,
+                     "canaries": m, "seed": seed}
+        log(f"ceiling {unit}: fdp {out[unit]['fdp_lb']:.3f} steinke {out[unit]['steinke_lb']:.3f} "
+            f"gdp est {out[unit]['gdp_estimate']:.3f} (CLT mu {clt_mu:.3f}, eps {out[unit]['clt_epsilon']:.3f})")
+    return out
+
+
 # ------------------------------------------------------------------ the merged white-box results
 TARGETS = {"eps_1": {"fdp_lb": 0.5}, "eps_3": {"fdp_lb": 1.5, "steinke_lb": 1.2}, "eps_8": {"fdp_lb": 4.0}}
 ACC_COST_TARGET = {"eps_3": 0.003}
@@ -333,12 +370,89 @@ def write_sections(sections: dict, demo: bool = False) -> Path:
     return write_result(name, payload, out=path)
 
 
+DOC = Path(__file__).resolve().parent.parent / "docs" / "audit.md"
+
+
+def _f(x, nd=2):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def doc_tables(payload: dict) -> dict[str, str]:
+    """The generated blocks of docs/audit.md from the results file (whatever sections it has)."""
+    blocks = {}
+    wb, ceil = payload.get("whitebox", {}), payload.get("whitebox_ceiling", {})
+    if wb:
+        rows = ["| recipe | claim | f-DP lb (target) | Steinke lb (target) | per seed f-DP / Steinke | ideal f-DP / Steinke "
+                "| real-coordinate f-DP / Steinke | GDP estimate | acc with canaries | acc without |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for unit, e in wb.items():
+            t = e.get("targets", {})
+            met = e.get("met", {})
+
+            def tgt(k):
+                return f" (>= {t[k]}: {'met' if met.get(k) else 'missed'})" if k in t else ""
+            per = "; ".join(f"{k}: {_f(v['fdp_lb'])} / {_f(v['steinke_lb'])}" for k, v in e["seeds"].items())
+            c = ceil.get(unit, {})
+            acc_w = "; ".join(_f(v["acc_with_canaries"], 4) for v in e["seeds"].values())
+            acc_wo = ("; ".join(_f(v["acc_without"], 4) for v in e["seeds"].values())
+                      if e.get("acc_without") is not None else "not measured")
+            rows.append(f"| {unit} ({e['recipe']['epochs']} epochs, sigma {e['noise_multiplier']:.3f}) | {_f(e['claim'])} "
+                        f"| **{_f(e['fdp_lb'])}**{tgt('fdp_lb')} | **{_f(e['steinke_lb'])}**{tgt('steinke_lb')} | {per} "
+                        f"| {_f(c.get('fdp_lb'))} / {_f(c.get('steinke_lb'))} "
+                        f"| {_f(e['real_coordinates']['fdp'])} / {_f(e['real_coordinates']['steinke'])} "
+                        f"| {_f(e['gdp_estimate'])} | {_f(e['acc_with_canaries'], 4)} ({acc_w}) "
+                        f"| {_f(e.get('acc_without'), 4)} ({acc_wo}) |")
+        cost = wb.get("eps_3", {}).get("acc_cost")
+        if cost is not None:
+            rows.append("")
+            rows.append(f"Accuracy cost of the canaries at epsilon 3: {100 * cost:+.2f} points (without minus with; "
+                        f"target <= 0.30: {'met' if cost <= ACC_COST_TARGET['eps_3'] else 'missed'}).")
+        blocks["audit_mnist_whitebox"] = "\n".join(rows)
+    zoo = payload.get("bug_zoo")
+    if zoo:
+        rows = ["| bug | setting | claim | lb (95%) | refuted | statistic that sees it (right guesses) |",
+                "| --- | --- | --- | --- | --- | --- |"]
+        for bug, e in zoo.items():
+            if bug in ("correct", "auditor", "actual_batch_norm_multi_run"):
+                continue
+            best = max(e["statistics"].items(), key=lambda kv: kv[1]["lb"])
+            rows.append(f"| {bug} | {e['setting']} | {_f(e['claim'])} | {_f(e['lb'])} | {'yes' if e['refuted'] else 'no'} "
+                        f"| {best[0]} ({best[1]['correct']}/{best[1]['guesses']} right) |")
+        mr = zoo.get("actual_batch_norm_multi_run")
+        if mr:
+            rows.append(f"| actual_batch_norm, {mr['runs']} runs of 2 examples | one canary per run | {_f(mr['claim'])} "
+                        f"| {_f(mr['lb'])} | {'yes' if mr['refuted'] else 'no'} | batch size from the noise scale "
+                        f"({mr['correct']}/{mr['guesses']} right; correct engine {_f(mr['correct_engine_lb'])}) |")
+        c = zoo.get("correct")
+        if c:
+            rows.append("")
+            rows.append(f"Correct engine: refuted in {c['refuted']} of {c['runs']} seeded runs (refute rate "
+                        f"{c['refute_rate']:.3f}, target <= 0.05); " + ", ".join(
+                            f"{s} {v['refuted']}/{v['runs']}" for s, v in c["by_setting"].items())
+                        + f"; its bound is on average {c['lb_over_claim_mean']:.2f} x the claim "
+                          f"(at most {c['lb_over_claim_max']:.2f} x).")
+        blocks["audit_mnist_bug_zoo"] = "\n".join(rows)
+    return blocks
+
+
+def update_docs(path: Path) -> None:
+    from benchmarks.common import update_doc_blocks
+
+    blocks = doc_tables(json.loads(path.read_text()))
+    text = DOC.read_text()
+    blocks = {k: v for k, v in blocks.items() if f"<!-- {k}:begin" in text}
+    if blocks:
+        update_doc_blocks({DOC: blocks})
+        log(f"updated {DOC} ({', '.join(blocks)})")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", default=None,
-                    choices=["gaussian_table", "bug_zoo", "whitebox", *EPSILONS, "merge"],
+                    choices=["gaussian_table", "bug_zoo", "whitebox", *EPSILONS, "ceiling", "merge"],
                     help="sections (gaussian_table, bug_zoo, whitebox = every epsilon) or white-box units "
-                         "(eps_1, eps_3, eps_8); merge: rebuild whitebox from the run files only")
+                         "(eps_1, eps_3, eps_8); ceiling: the auditor on the idealised mechanism of each "
+                         "recipe; merge: rebuild whitebox from the run files only")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--demo", action="store_true",
                     help="white-box units on 3,000 images for 1 epoch (a minute), written to audit_mnist_demo.json")
@@ -347,12 +461,14 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    only = set(args.only or ["gaussian_table", "bug_zoo", "whitebox"])
+    only = set(args.only or ["gaussian_table", "bug_zoo", "whitebox", "ceiling"])
     sections = {}
     if "gaussian_table" in only and not args.demo:
         sections["gaussian_table"] = gaussian_table()
     if "bug_zoo" in only and not args.demo:
         sections["bug_zoo"] = bug_zoo_section(args.zoo_runs)
+    if "ceiling" in only and not args.demo:
+        sections["whitebox_ceiling"] = ceiling_section()
     units = [u for u in EPSILONS if u in only or "whitebox" in only]
     if units:
         run_units(units, args.seeds, args.demo)
@@ -368,6 +484,8 @@ def main(argv=None) -> None:
     if sections:
         path = write_sections(sections, args.demo)
         log(f"wrote {path}")
+        if not args.demo:
+            update_docs(path)
         for unit, e in sections.get("whitebox", {}).items():
             log(f"{unit}: claim {e['claim']:.3f} fdp_lb {e['fdp_lb']:.3f} steinke_lb {e['steinke_lb']:.3f} "
                 f"acc {e['acc_with_canaries']:.4f} (without {e['acc_without']}) seeds {e['seed_ids']}")
