@@ -41,6 +41,7 @@ class Best:
     compare_url: str          # the compare view of every child run ("" without any)
     n_runs: int               # child runs in that view
     private: bool             # tuning_privacy: the best trial is the released one
+    claims_privacy: bool = True  # some trial's epsilon is a guarantee for its training data
 
 
 def best_trial(rows: list[dict], metric: str, mode: str) -> dict | None:
@@ -51,8 +52,20 @@ def best_trial(rows: list[dict], metric: str, mode: str) -> dict | None:
     return best_row(rows, metric, mode)
 
 
-def selection_caveat(private: bool, n: int) -> str:
-    """What covers choosing the best of ``n`` trials (docs/tuning_privacy.md)."""
+def claims_privacy(trainables) -> bool:
+    """Whether any of these trainables' epsilon protects its training data (PixelDP's does not: it
+    is a robustness parameter; ``TrainableEntry.privacy_epsilon``)."""
+    from trainables.registry import REGISTRY
+
+    return any(getattr(REGISTRY.get(str(t)), "privacy_epsilon", True) for t in trainables)
+
+
+def selection_caveat(private: bool, n: int, claims: bool = True) -> str:
+    """What covers choosing the best of ``n`` trials (docs/tuning_privacy.md); ``claims``: whether
+    the trials claim any privacy for their training data at all."""
+    if not claims:
+        return (f"a tuning choice among {n} trials, none of which claims privacy for its training data; the best "
+                "value is an optimistic estimate of the chosen configuration's (it was chosen on the same test set)")
     if private:
         return ("the released trial of a tuning_privacy sweep: covered by the end-to-end epsilon "
                 "(Papernot & Steinke 2022)")
@@ -112,7 +125,8 @@ def record_best(info: dict, spec, rows: list[dict]) -> Best:
         metrics.append(Metric(f"best_{metric}", float(row[metric]), int(time.time() * 1000), 0))
     if tags or metrics:
         retry(lambda: client.log_batch(info["parent_run_id"], metrics=metrics, tags=tags), what="log_batch(best)")
-    return Best(metric or "", mode, row, run_id, url, len(children), spec.tuning_privacy is not None)
+    return Best(metric or "", mode, row, run_id, url, len(children), spec.tuning_privacy is not None,
+                claims_privacy([row.get("trainable") for row in rows]) if rows else True)
 
 
 def describe_best(best: Best, shown_keys: list[str] | None = None, n: int | None = None) -> str:
@@ -127,7 +141,7 @@ def describe_best(best: Best, shown_keys: list[str] | None = None, n: int | None
     where = f" ({values})" if values else ""
     run = f", run {best.run_id}" if best.run_id else ""
     return (f"best:     trial {r.get('trial_id', '?')}{where} with {best.metric} = {_fmt(r[best.metric])} "
-            f"({best.mode}{run}); {selection_caveat(best.private, n if n is not None else 0)}")
+            f"({best.mode}{run}); {selection_caveat(best.private, n if n is not None else 0, best.claims_privacy)}")
 
 
 def _fmt(v) -> str:

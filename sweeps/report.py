@@ -438,7 +438,7 @@ def _others_text(others: list[dict]) -> str:
 def _best_section(sweep: Sweep, tracking_uri: str) -> list[str]:
     """The best trial by the spec's ``search.metric`` (issue 24, point 5), with what covers
     choosing it, and the address of MLflow's compare view of the sweep's trials (point 9)."""
-    from sweeps.best import compare_url, selection_caveat, ui_base
+    from sweeps.best import claims_privacy, compare_url, selection_caveat, ui_base
 
     params, tags, trials = dict(sweep.parent.data.params), sweep.parent_tags, sweep.trials
     lines = ["## Best trial", ""]
@@ -461,7 +461,8 @@ def _best_section(sweep: Sweep, tracking_uri: str) -> list[str]:
                      f"{float(best[metric]):.4g}, MLflow run `{best['run_id']}`"
                      + (f" (tagged `dpsweep.best_run_id` on the parent run)" if tags.get("dpsweep.best_run_id") else "")
                      + ".")
-        lines += ["", f"The choice: {selection_caveat(private, len(trials))}."]
+        claims = claims_privacy(trials["trainable"].dropna().unique()) if "trainable" in trials else True
+        lines += ["", f"The choice: {selection_caveat(private, len(trials), claims)}."]
     url = tags.get("dpsweep.compare_url", "")
     if not url.startswith("http") and "run_id" in trials and len(trials):
         url = compare_url(ui_base(tracking_uri), sweep.parent.info.experiment_id, list(trials["run_id"]))

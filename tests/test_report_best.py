@@ -191,3 +191,15 @@ def test_compare_view_opens_on_parallel_coordinates_of_the_swept_keys(tmp_path):
     assert "Comparing 4 Runs" in dom and "Parallel Coordinates Plot" in dom
     axes = re.findall(r'class="axis-title"[^>]*data-unformatted="([^"]+)"', dom)
     assert axes == ["epsilon", "max_grad_norm", "acc_clean"], axes  # lr is the same everywhere: not drawn
+
+
+def test_the_caveat_speaks_of_privacy_only_where_a_trial_claims_some():
+    """PixelDP's epsilon is a robustness parameter: the best of a PixelDP sweep is a tuning choice,
+    not a privacy question; a DP-SGD sweep's best is not covered without tuning_privacy."""
+    from sweeps.best import claims_privacy, selection_caveat
+
+    assert not claims_privacy(["pixeldp"]) and claims_privacy(["pixeldp", "dpsgd"]) and claims_privacy(["dpsgd"])
+    plain = selection_caveat(False, 4, claims_privacy(["pixeldp"]))
+    assert "private" not in plain.replace("privacy for its training data", "") and "optimistic" in plain
+    assert selection_caveat(False, 4, True).startswith("not private")
+    assert "end-to-end epsilon" in selection_caveat(True, 4, True)
