@@ -182,6 +182,31 @@ def whitebox_run(name: str, seed: int, epochs: int | None = None, train_size: in
                  "real_scores": real.scores, "real_included": real.included}
 
 
+def plain_run(name: str, seed: int) -> tuple[dict, dict]:
+    """The recipe ``name`` trained exactly as :func:`whitebox_run` but without canaries or audit
+    block: the accuracy the canaries are compared with (units ``plain_<name>``)."""
+    from benchmarks.dpsgd_mnist_full import dpsgd_config
+    from dpmech.data import load_splits
+    from dpmech.dpsgd import DPSGDTrainer, build_dpsgd_model
+
+    rec = recipe(name)
+    train, test = load_splits("mnist", train_size=None, test_size=None, seed=0)
+    x, y = train.tensors
+    xt, yt = test.tensors
+    cfg = dpsgd_config(rec, seed, "bk")
+    trainer = DPSGDTrainer(build_dpsgd_model("mnist", seed, rec["model"]), x, y, cfg, plan_size=x.shape[0])
+    t0 = time.perf_counter()
+    for e in range(cfg.epochs):
+        trainer.train_epoch()
+        log(f"[plain {name} seed {seed}] epoch {e + 1}/{cfg.epochs} ({time.perf_counter() - t0:.0f}s)")
+    p = trainer.privacy()
+    out = {"unit": f"plain_{name}", "seed": seed, "recipe": rec, "clipping": "bk", "claim": p["epsilon"],
+           "acc_without": trainer.accuracy(xt, yt), "train_seconds": time.perf_counter() - t0,
+           "threads": torch.get_num_threads()}
+    log(f"[plain {name} seed {seed}] acc {out['acc_without']:.4f}")
+    return out, {}
+
+
 def run_units(units: list[str], seeds: list[int], demo: bool) -> None:
     RUNS.mkdir(parents=True, exist_ok=True)
     for seed in seeds:
@@ -198,11 +223,15 @@ def run_units(units: list[str], seeds: list[int], demo: bool) -> None:
                 log(f"[{stem}] claimed by another process, skipped")
                 continue
             try:
-                out, scores = whitebox_run(name, seed, **(DEMO if demo else {}))
+                if name.startswith("plain_"):
+                    out, scores = plain_run(name[len("plain_"):], seed)
+                else:
+                    out, scores = whitebox_run(name, seed, **(DEMO if demo else {}))
                 out["demo"] = demo
                 out["environment"] = environment(torch.device("cpu"))
-                np.savez_compressed(RUNS / f"{stem}_scores.npz",
-                                    **{k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in scores.items()})
+                if scores:
+                    np.savez_compressed(RUNS / f"{stem}_scores.npz", **{
+                        k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in scores.items()})
                 write_result("audit_mnist", out, out=path)
             finally:
                 claim.unlink(missing_ok=True)
@@ -261,12 +290,12 @@ def bug_zoo_section(runs: int = 40) -> dict:
 
 
 # ------------------------------------------------------------------ the auditor's ceiling on our setting
-def ceiling_section(seed: int = 0) -> dict:
+def ceiling_section(draws: int = 3) -> dict:
     """``whitebox_ceiling.<unit>``: the same auditor (50,000 canaries, the LLR statistic, guess
     fraction 0.01, 95%) on the idealised mechanism of each recipe's plan (q, sigma, T): every
-    canary's projection is exactly b_t + N(0, sigma^2), nothing else lands on its coordinate. One
-    simulated run per unit: what the one-run audit can reach on our setting (Keinan et al.'s
-    ceiling, measured), against which the trained runs are read."""
+    canary's projection is exactly b_t + N(0, sigma^2), nothing else lands on its coordinate.
+    ``draws`` simulated runs per unit (mean and each): what the one-run audit can reach on our
+    setting (Keinan et al.'s ceiling, measured), against which the trained runs are read."""
     from dpmech.audit import run_estimators
     from dpmech.dpsgd import plan
 
@@ -275,25 +304,29 @@ def ceiling_section(seed: int = 0) -> dict:
     out = {}
     for unit in EPSILONS:
         rec = recipe(unit)
-        p = plan(dpsgd_config(rec, seed, "bk"), 60000)
+        p = plan(dpsgd_config(rec, 0, "bk"), 60000)
         q, sigma, steps = p.sampling_rate, p.noise_multiplier, p.steps
-        rng = np.random.default_rng(np.random.SeedSequence([seed, 8, int(rec["epsilon"] * 10)]))
         m = ISOLATED["m"]
-        included = rng.random(m) < 0.5
-        scores = np.zeros(m)
         log_keep, log_q = np.log1p(-q), np.log(q)
-        for _ in range(steps):
-            x = ((rng.random(m) < q) & included) + sigma * rng.standard_normal(m)
-            scores += np.logaddexp(log_keep, log_q + (x - 0.5) / sigma ** 2)
-        a = run_estimators(scores, included, estimators=ESTIMATORS, beta=BETA, delta=rec["delta"],
-                           guess_fraction=ISOLATED["guess_fraction"])
+        each = []
+        for draw in range(draws):
+            rng = np.random.default_rng(np.random.SeedSequence([draw, 8, int(rec["epsilon"] * 10)]))
+            included = rng.random(m) < 0.5
+            scores = np.zeros(m)
+            for _ in range(steps):
+                x = ((rng.random(m) < q) & included) + sigma * rng.standard_normal(m)
+                scores += np.logaddexp(log_keep, log_q + (x - 0.5) / sigma ** 2)
+            a = run_estimators(scores, included, estimators=ESTIMATORS, beta=BETA, delta=rec["delta"],
+                               guess_fraction=ISOLATED["guess_fraction"])
+            each.append({"fdp_lb": a["audit_epsilon_lb_fdp"], "steinke_lb": a["audit_epsilon_lb_steinke"],
+                         "gdp_estimate": a["audit_epsilon_est_gdp"]})
         clt_mu = q * np.sqrt(steps * (np.exp(sigma ** -2) - 1))
-        out[unit] = {"fdp_lb": a["audit_epsilon_lb_fdp"], "steinke_lb": a["audit_epsilon_lb_steinke"],
-                     "gdp_estimate": a["audit_epsilon_est_gdp"], "clt_mu": float(clt_mu),
-                     "clt_epsilon": gdp_epsilon(float(clt_mu), rec["delta"]), "q": q, "sigma": sigma, "steps": steps,
-                     "canaries": m, "seed": seed}
+        out[unit] = {k: statistics.fmean(d[k] for d in each) for k in ("fdp_lb", "steinke_lb", "gdp_estimate")}
+        out[unit].update(draws=each, clt_mu=float(clt_mu), clt_epsilon=gdp_epsilon(float(clt_mu), rec["delta"]),
+                         q=q, sigma=sigma, steps=steps, canaries=m)
         log(f"ceiling {unit}: fdp {out[unit]['fdp_lb']:.3f} steinke {out[unit]['steinke_lb']:.3f} "
-            f"gdp est {out[unit]['gdp_estimate']:.3f} (CLT mu {clt_mu:.3f}, eps {out[unit]['clt_epsilon']:.3f})")
+            f"gdp est {out[unit]['gdp_estimate']:.3f} over {draws} draws (CLT mu {clt_mu:.3f}, "
+            f"eps {out[unit]['clt_epsilon']:.3f})")
     return out
 
 
@@ -317,10 +350,14 @@ def whitebox_section(demo: bool = False) -> dict:
             continue
         seeds = {}
         base = plain.get(unit) if not demo else None
+        retrained = {json.loads(p.read_text())["seed"]: json.loads(p.read_text())["acc_without"]
+                     for p in RUNS.glob(f"plain_{unit}_seed*.json")} if not demo else {}
         for r in runs:
             without = None
             if base and r["seed"] in base.get("seed_ids", []):
                 without = base["seeds"][base["seed_ids"].index(r["seed"])]
+            elif r["seed"] in retrained:
+                without = retrained[r["seed"]]
             seeds[str(r["seed"])] = {
                 "claim": r["claim"], "fdp_lb": r["fdp_lb"], "steinke_lb": r["steinke_lb"],
                 "mu_lb_fdp": r["isolated"]["audit_mu_lb_fdp"], "gdp_estimate": r["isolated"]["audit_epsilon_est_gdp"],
@@ -346,7 +383,9 @@ def whitebox_section(demo: bool = False) -> dict:
         if entry["acc_without"] is not None:
             entry["acc_cost"] = entry["acc_without"] - entry["acc_with_canaries"]
             entry["acc_without_source"] = ("benchmarks/results/dpsgd_mnist_full.json accuracy." + unit +
-                                           " (the same recipe and seeds, no canaries, no audit block; not retrained)")
+                                           " (the same recipe and seeds, no canaries, no audit block; not retrained)"
+                                           if base else f"audit_mnist_runs/plain_{unit}_seed*.json (the same recipe "
+                                           "and seeds trained here without canaries or audit block)")
         else:
             entry["acc_without_source"] = "not measured (no run of this recipe without canaries)"
         if not demo:
@@ -449,9 +488,10 @@ def update_docs(path: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", default=None,
-                    choices=["gaussian_table", "bug_zoo", "whitebox", *EPSILONS, "ceiling", "merge"],
+                    choices=["gaussian_table", "bug_zoo", "whitebox", *EPSILONS, "plain_eps_8", "ceiling", "merge"],
                     help="sections (gaussian_table, bug_zoo, whitebox = every epsilon) or white-box units "
-                         "(eps_1, eps_3, eps_8); ceiling: the auditor on the idealised mechanism of each "
+                         "(eps_1, eps_3, eps_8); plain_eps_8: epsilon 8 without canaries (its acc_without); "
+                         "ceiling: the auditor on the idealised mechanism of each "
                          "recipe; merge: rebuild whitebox from the run files only")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--demo", action="store_true",
@@ -469,7 +509,7 @@ def main(argv=None) -> None:
         sections["bug_zoo"] = bug_zoo_section(args.zoo_runs)
     if "ceiling" in only and not args.demo:
         sections["whitebox_ceiling"] = ceiling_section()
-    units = [u for u in EPSILONS if u in only or "whitebox" in only]
+    units = [u for u in EPSILONS if u in only or "whitebox" in only] + (["plain_eps_8"] if "plain_eps_8" in only else [])
     if units:
         run_units(units, args.seeds, args.demo)
     if units or "merge" in only:
