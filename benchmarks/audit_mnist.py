@@ -20,7 +20,10 @@ Sections:
   ``benchmarks/results/audit_mnist_runs/<unit>_seed<k>.json`` (and its canary scores, .npz) when it
   ends; a unit already there is skipped and one another process is running (a ``.running`` file)
   too, so runs resume and two processes can share the units. ``--only merge`` rebuilds the
-  section from the run files. ~10-15 minutes per 40-epoch run on one core.
+  section from the run files. ~10-15 minutes per 40-epoch run on one core. ``acc_without``:
+  dpsgd_mnist_full.json's runs of the same recipe and seeds (epsilon 1 and 3), or units
+  ``plain_eps_8`` (the recipe trained here without canaries or audit block).
+* ``whitebox_ceiling``: the same auditor on simulated idealised runs of each recipe's plan.
 
 Run: ``.venv/bin/python benchmarks/audit_mnist.py [--only SECTION|UNIT ...] [--seeds 0 1 2] [--demo]``.
 """
