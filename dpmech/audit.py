@@ -147,14 +147,22 @@ def epsilon_lower_bound(r: int, v_correct: int, *, beta: float = 0.05, delta: fl
 
     if not rejected(0.0):
         return 0.0
-    lo, hi = 0.0, 1.0
-    while rejected(hi):
+    return largest_rejected(rejected, 0.0, cap=1e4, tol=1e-12)
+
+
+def largest_rejected(rej, lo: float, *, cap: float, tol: float) -> float:
+    """The largest parameter that ``rej`` rejects, given that ``lo`` is rejected and the rejected
+    set is an interval from ``lo`` up (monotone): doubling to bracket it (at most ``cap``), then
+    bisection; the low end of the final bracket, so never above the exact value. Every one-run
+    bound here (epsilon, mu) is found this way."""
+    hi = 1.0
+    while rej(hi):
         lo, hi = hi, hi * 2
-        if hi > 1e4:
+        if hi > cap:
             return lo
-    for _ in range(60):
+    while hi - lo > tol:
         mid = (lo + hi) / 2
-        if rejected(mid):
+        if rej(mid):
             lo = mid
         else:
             hi = mid

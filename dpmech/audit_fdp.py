@@ -44,7 +44,7 @@ from typing import Callable
 from scipy.special import ndtr, ndtri
 
 from dpmech import _validate as v
-from dpmech.audit import _check_counts
+from dpmech.audit import _check_counts, largest_rejected
 from dpmech.audit_gdp import gdp_epsilon
 
 
@@ -97,7 +97,7 @@ def mu_lower_bound(m: int, r: int, v_correct: int, *, beta: float = 0.05, k: int
 
     if v_correct == 0 or not rej(1e-9):
         return 0.0
-    return _largest_rejected(rej, 1e-9, cap=64.0, tol=tol)  # G_64: perfect leakage in double precision
+    return largest_rejected(rej, 1e-9, cap=64.0, tol=tol)  # G_64: perfect leakage in double precision
 
 
 def fdp_epsilon_lower_bound(m: int, r: int, v_correct: int, *, delta: float, beta: float = 0.05,
@@ -123,18 +123,8 @@ def eps_delta_lower_bound(m: int, r: int, v_correct: int, *, delta: float, beta:
 
     if v_correct == 0 or not rej(0.0):
         return 0.0
-    return _largest_rejected(rej, 0.0, cap=1e3, tol=tol)
+    return largest_rejected(rej, 0.0, cap=1e3, tol=tol)
 
-
-def _largest_rejected(rej: Callable[[float], bool], lo: float, *, cap: float, tol: float) -> float:
-    """The largest parameter that ``rej`` rejects, given that ``lo`` is rejected and rejection is
-    monotone (doubling to bracket it, at most ``cap``, then bisection): the low end of the final
-    bracket, so never above the exact value."""
-    hi = 1.0
-    while rej(hi):
-        lo, hi = hi, hi * 2
-        if hi > cap:
-            return lo
     while hi - lo > tol:
         mid = (lo + hi) / 2
         if rej(mid):
