@@ -46,7 +46,7 @@ from scipy.stats import norm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.audit_block import AuditBlock  # noqa: E402
-from benchmarks.common import RESULTS, environment, log, write_result  # noqa: E402
+from benchmarks.common import RESULTS, claimed_unit, environment, log, write_result  # noqa: E402
 from dpmech.audit import epsilon_lower_bound  # noqa: E402
 from dpmech.audit_fdp import fdp_epsilon_lower_bound  # noqa: E402
 from dpmech.audit_gdp import gdp_epsilon  # noqa: E402
@@ -215,17 +215,9 @@ def run_units(units: list[str], seeds: list[int], demo: bool) -> None:
     for seed in seeds:
         for name in units:
             stem = f"{name}_seed{seed}" + ("_demo" if demo else "")
-            path = RUNS / f"{stem}.json"
-            if path.exists():
-                log(f"[{stem}] already done, skipped")
-                continue
-            claim = RUNS / f"{stem}.running"     # another process runs it (delete if stale)
-            try:
-                claim.open("x").close()
-            except FileExistsError:
-                log(f"[{stem}] claimed by another process, skipped")
-                continue
-            try:
+            with claimed_unit(RUNS, stem) as path:
+                if path is None:
+                    continue
                 if name.startswith("plain_"):
                     out, scores = plain_run(name[len("plain_"):], seed)
                 else:
@@ -236,8 +228,6 @@ def run_units(units: list[str], seeds: list[int], demo: bool) -> None:
                     np.savez_compressed(RUNS / f"{stem}_scores.npz", **{
                         k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in scores.items()})
                 write_result("audit_mnist", out, out=path)
-            finally:
-                claim.unlink(missing_ok=True)
 
 
 DEMO = {"epochs": 1, "train_size": 3000}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import platform
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -43,6 +44,30 @@ def write_result(name: str, payload: dict, out: Path | None = None) -> Path:
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     tmp.replace(path)
     return path
+
+
+@contextmanager
+def claimed_unit(runs: Path, stem: str, label: str | None = None):
+    """One resumable unit of a long benchmark: yields the JSON path to write when the unit has to
+    run, or None when ``runs/<stem>.json`` exists (done) or another process holds
+    ``runs/<stem>.running`` (delete it if that process died); the claim is released on exit."""
+    label = label or stem
+    path = runs / f"{stem}.json"
+    if path.exists():
+        log(f"[{label}] already done, skipped")
+        yield None
+        return
+    claim = runs / f"{stem}.running"
+    try:
+        claim.open("x").close()
+    except FileExistsError:
+        log(f"[{label}] claimed by another process ({claim.name}), skipped")
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        claim.unlink(missing_ok=True)
 
 
 def update_doc_blocks(blocks: dict[Path, dict[str, str]]) -> list[Path]:

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, environment, log, write_result  # noqa: E402
+from benchmarks.common import RESULTS, claimed_unit, environment, log, write_result  # noqa: E402
 
 NAME = "dpsgd_mnist_full"
 RUNS = RESULTS / f"{NAME}_runs"
@@ -219,22 +219,12 @@ def main(argv=None) -> dict:
         jobs = ([(r, s) for s in args.seeds for r in args.rows] if args.order == "seed"
                 else [(r, s) for r in args.rows for s in args.seeds])
         for row, seed in jobs:
-            path = RUNS / f"{row}_seed{seed}.json"
-            if path.exists():
-                log(f"[{row} seed {seed}] already done, skipped")
-                continue
-            claim = RUNS / f"{row}_seed{seed}.running"   # another process runs it (delete if stale)
-            try:
-                claim.open("x").close()
-            except FileExistsError:
-                log(f"[{row} seed {seed}] claimed by another process ({claim.name}), skipped")
-                continue
-            try:
+            with claimed_unit(RUNS, f"{row}_seed{seed}", f"{row} seed {seed}") as path:
+                if path is None:
+                    continue
                 result = run_one(row, seed, args.clipping, device)
                 write_result(NAME, result, out=path)
                 write_summary()
-            finally:
-                claim.unlink(missing_ok=True)
     speed = None
     if args.speed or args.speed_only:
         modes = args.speed_modes or [m for m in CLIPPING_MODES if m != "flat"]
