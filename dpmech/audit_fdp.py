@@ -125,14 +125,6 @@ def eps_delta_lower_bound(m: int, r: int, v_correct: int, *, delta: float, beta:
         return 0.0
     return largest_rejected(rej, 0.0, cap=1e3, tol=tol)
 
-    while hi - lo > tol:
-        mid = (lo + hi) / 2
-        if rej(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
 
 def audit_fdp(scores, included, *, guess_fraction: float = 0.2, beta: float = 0.05,
               delta: float) -> dict[str, float]:
