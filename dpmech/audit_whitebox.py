@@ -40,7 +40,8 @@ largest trainable tensor, ``"all"`` uniformly from every trainable coordinate.
 Memory: Dirac canaries are indices (m integers, never an m x P matrix); random directions are an
 m x P matrix, refused above :data:`RANDOM_MAX` floats.
 
-Usage (any DP-SGD-engine trainer: ``DPSGDTrainer``, ``DPALSoundTrainer``, ``SecureSGDTrainer``)::
+Usage (any DP-SGD-engine trainer: ``DPSGDTrainer``, ``DPALSoundTrainer``, ``SecureSGDTrainer``; and
+``DPGANTrainer``, on its critic's private step)::
 
     canaries = WhiteBoxCanaries(1000, seed=0)                 # Dirac, llr, largest tensor
     trainer = DPSGDTrainer(model, x, y, cfg, canaries=canaries)

@@ -89,8 +89,11 @@ def test_audit_key_rules():
         with pytest.raises(ValueError, match=words) as err:
             validate_config({"trainable": "dpsgd", **extra}, DPSGDTrialConfig)
         assert "\n" not in str(err.value) and str(err.value).startswith("config.")
+    from trainables.dp_merf import DPMERFTrialConfig
+
+    assert DPGANTrialConfig(audit=wb).audit["mode"] == "whitebox"       # the critic's private step
     with pytest.raises(ValidationError, match="does not train with it"):
-        DPGANTrialConfig(audit=wb)
+        DPMERFTrialConfig(audit=wb)
     # a sweep's trial config carries every key: the flat keys at their defaults state no second audit
     full = {**DPSGDTrialConfig().model_dump(), "audit": wb}
     assert validate_config({"trainable": "dpsgd", **full}, DPSGDTrialConfig).audit["mode"] == "whitebox"

@@ -5,8 +5,9 @@
 
 * ``mode``: ``whitebox`` -- gradient canaries inside the DP-SGD engine, scored from every noisy
   update (:mod:`dpmech.audit_whitebox`; trainables built on that engine: dpsgd, dpal_sound,
-  secure_sgd) -- or ``blackbox`` -- canary images with wrong labels, scored from the final model
-  (:mod:`dpmech.audit`; every trainable that protects its training examples).
+  secure_sgd; and dpgan, whose critic takes the same clipped, noisy steps) -- or ``blackbox`` --
+  canary images with wrong labels, scored from the final model (:mod:`dpmech.audit`; every
+  trainable that protects its training examples).
 * ``canaries``: m >= 1.
 * ``estimator``: one name or a list of ``steinke`` (Steinke et al. 2023), ``fdp`` (Mahloujifar
   et al. 2025), ``gdp`` (an estimate); the first rigorous one (steinke or fdp) is the trial's
@@ -103,7 +104,8 @@ def check(cfg) -> None:
                          "(the flat keys are the black-box audit; docs/audit.md)")
     if cfg.audit["mode"] == "whitebox" and not getattr(type(cfg), "supports_whitebox_audit", False):
         raise ValueError("audit: mode 'whitebox' inserts gradient canaries into the DP-SGD engine; this trainable "
-                         "does not train with it (dpsgd, dpal_sound and secure_sgd do); use mode 'blackbox'")
+                         "does not train with it (dpsgd, dpal_sound, secure_sgd and dpgan's critic do); use mode "
+                         "'blackbox'")
     if cfg.audit["mode"] == "whitebox" and "epsilon" in type(cfg).model_fields and cfg.epsilon is None:
         raise ValueError("audit: mode 'whitebox' needs a private trial; epsilon null is the non-private baseline "
                          "(no clipping, no noise: nothing for gradient canaries to audit)")

@@ -62,6 +62,7 @@ class DPGANTrialConfig(CommonConfig):
 
     protects_training_examples: ClassVar[bool] = True
     privacy_delta_key: ClassVar[str | None] = "delta"
+    supports_whitebox_audit: ClassVar[bool] = True   # the critic's private step (audit: {mode: whitebox}; docs/audit.md)
 
     @model_validator(mode="after")
     def _dpgan_rules(self):
@@ -108,10 +109,12 @@ class DPGANMechanism(TrainerMechanism):
     """Adapter from the trial config to ``dpmech.dpgan.DPGANTrainer``."""
 
     def __init__(self, cfg: DPGANTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
+        from trainables.audit_config import whitebox_canaries
+
         self.cfg = cfg
         self.trainer = DPGANTrainer(dpgan_config(cfg), x, y, device=device, judge_data=judge_data(cfg),
                                     judge_epochs=cfg.judge_epochs, eval_samples=cfg.eval_samples,
-                                    plan_size=planned_train_size(cfg))
+                                    plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg))
 
     def privacy(self):
         return {k: float(v) for k, v in self.trainer.privacy().items()}

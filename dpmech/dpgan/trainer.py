@@ -23,6 +23,17 @@ Critic step (Alg. 1 lines 3-9), with the paper's assumption on c_g *enforced*:
 * line 9: the critic weights are clipped to [-c_p, c_p] (post-processing);
 * every critic step taken is recorded in the :class:`PrivacyLedger` as (q, sigma, 1).
 
+White-box audit canaries (``canaries=WhiteBoxCanaries(m)``, :mod:`dpmech.audit_whitebox`; docs/audit.md,
+"DPGAN's critic"): the critic's private step is DP-SGD's (clip to C = c_g, Gaussian noise of std sigma
+c_g on the sum, Poisson sampling at q), so the same canaries attach to it unchanged. Canary j is an
+example of D (by its fair coin) whose clipped real-term gradient is C e_c (or C u); each canary in D
+joins each critic step's Poisson batch with the same q as every real example (its own generator: the
+trainer's streams are untouched); its gradient joins the clipped sum of line 7 before the noise, and
+the auditor observes every critic step's noisy sum (before the division by m). The fake term, the
+optimizer, the weight clipping and the generator steps are functions of released critic updates and
+public randomness (post-processing) and are not observed. Canaries add nothing to the label histogram
+(``fake_labels: dp_histogram``): they audit the critic steps, a part of the claimed composition.
+
 Generator step (lines 10-12), after every ``n_critic`` critic steps: z and labels y' are drawn
 afresh and G descends -mean f(G(z, y'), y'). It reads the critic's released weights only, never a
 real example, and is not counted (post-processing).
@@ -54,7 +65,7 @@ class DPGANTrainer(JudgedSampler):
 
     def __init__(self, config: DPGANConfig, x_train: torch.Tensor, y_train: torch.Tensor, *,
                  device: str | torch.device = "cpu", judge_data: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 judge_epochs: int = 3, eval_samples: int = 500, plan_size: int | None = None):
+                 judge_epochs: int = 3, eval_samples: int = 500, plan_size: int | None = None, canaries=None):
         config.validate()
         self.config = config
         self.device = torch.device(device)
@@ -120,6 +131,20 @@ class DPGANTrainer(JudgedSampler):
         self.judge_epochs = judge_epochs
         self.eval_samples = eval_samples
         self._judge = None
+        self.canaries = None
+        if canaries is not None:
+            self._attach_canaries(canaries)
+
+    def _attach_canaries(self, canaries) -> None:
+        """White-box canaries (:class:`dpmech.audit_whitebox.WhiteBoxCanaries`) on the critic's
+        private step: directions in the critic's parameters (``named_parameters`` order, the order of
+        the clipped sums), C = c_g, q and sigma of the plan (module docstring)."""
+        if not self.config.private:
+            raise ValueError("canaries: white-box canaries need the critic's clipping and noise (set epsilon; the "
+                             "non-private WGAN baseline has neither)")
+        canaries.attach([p for _, p in self.critic.named_parameters()], max_grad_norm=self.config.clip_grad,
+                        sampling_rate=self.sampling_rate, noise_multiplier=self.noise_multiplier)
+        self.canaries = canaries
 
     # -------------------------------------------------------------- data access
     def _sample_real_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +206,7 @@ class DPGANTrainer(JudgedSampler):
 
     def _noisy_real_gradient(self, xb: torch.Tensor, yb: torch.Tensor):
         """Alg. 1 lines 6-7: (sum of clipped per-example gradients + N(0, (sigma c_g)^2 I)) / m."""
-        c_g, sigma = self.config.clip_grad, self.noise_multiplier
+        c_g = self.config.clip_grad
         if xb.shape[0] > 0:
             summed, scores, before = self._clipped_sum(xb, yb, -1.0)
             self.last_clipped_norms = before * (c_g / (before + 1e-6)).clamp(max=1.0)
@@ -194,11 +219,19 @@ class DPGANTrainer(JudgedSampler):
             self.last_clipped_norms = torch.zeros(0, device=self.device)
             self.last_norms = torch.zeros(0, device=self.device)
         self.last_real_sum_norm = float(torch.sqrt(sum(g.pow(2).sum() for g in summed.values())))
-        out = {}
-        for k, s in summed.items():
-            noise = torch.randn(s.shape, generator=self.noise_gen, device=self.device, dtype=s.dtype)
-            out[k] = (s + sigma * c_g * noise) / self.expected_batch
-        return out, scores
+        if self.canaries is not None:   # white-box canaries: their gradients join the clipped sum ...
+            self.canaries.insert(list(summed.values()))
+        noisy = self._add_noise(summed)
+        if self.canaries is not None:   # ... and the auditor sees the noisy sum
+            self.canaries.observe(list(noisy.values()))
+        return {k: s / self.expected_batch for k, s in noisy.items()}, scores
+
+    def _add_noise(self, summed: dict) -> dict:
+        """Alg. 1 line 7's Gaussian mechanism: sum + N(0, (sigma c_g)^2 I), one draw per parameter
+        from the trainer's noise generator (the released noisy sum, before the division by m)."""
+        std = self.noise_multiplier * self.config.clip_grad
+        return {k: s + std * torch.randn(s.shape, generator=self.noise_gen, device=self.device, dtype=s.dtype)
+                for k, s in summed.items()}
 
     def _fake_gradient(self, xf: torch.Tensor, yf: torch.Tensor):
         """The fake term's gradient, d/dw mean_j f_w(G(z_j), y'_j). With ``clip_fake`` each fake
@@ -372,6 +405,7 @@ class DPGANTrainer(JudgedSampler):
             "generator_steps": self.generator_steps,
             "clipped_examples": self.clipped_examples,
             "real_examples": self.real_examples,
+            **({"canaries": self.canaries.state_dict()} if self.canaries is not None else {}),
         })
 
     def load_state_dict(self, state: dict) -> None:
@@ -382,6 +416,11 @@ class DPGANTrainer(JudgedSampler):
                              f"trainer's plan_size {self.plan_size}")
         if float(state["noise_multiplier"]) != self.noise_multiplier:
             raise ValueError("checkpoint noise_multiplier does not match this trainer's calibration")
+        if ("canaries" in state) != (self.canaries is not None):
+            raise ValueError("checkpoint: it was saved with white-box canaries and this trainer has none, or the "
+                             "other way round")
+        if self.canaries is not None:
+            self.canaries.load_state_dict(state["canaries"])
         self.model.load_state_dict(state["model"])
         if self.generator_ema is not None:
             self.generator_ema.load_state_dict(state["generator_ema"])
