@@ -160,6 +160,10 @@ class TuningPrivacySection(_Section):
     shape: float | None = Field(None, gt=0, allow_inf_nan=False, description="eta of the truncated negative binomial")
     delta: float | None = Field(None, gt=0, lt=1, description="delta of the end-to-end guarantee "
                                                               "(default: the largest per-trial delta)")
+    target_epsilon: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="end-to-end epsilon to land on: every trial's epsilon is calibrated so that releasing the best "
+                    "of K lands on it (the trainable's search must then leave epsilon unset)")
 
 
 class ReferencePoint(_Section):
@@ -642,9 +646,12 @@ def validate_spec(raw: dict) -> SweepSpec:
         check_tuning_spec(spec)
     spec._spaces = _build_spaces(spec)
     if spec.tuning_privacy is not None:
-        from sweeps.tuning import check_tuning_space
+        from sweeps.tuning import calibrate_to_target, check_tuning_space
 
         check_tuning_space(spec)
+        if spec.tuning_privacy.target_epsilon is not None:
+            calibrate_to_target(spec)   # sets the trainable's epsilon; rebuilds spec._spaces
+            check_tuning_space(spec)
     if spec.search.algorithm == "optuna":
         for space in spec.spaces:
             space.probes()  # the combinations validate (model-level rules)

@@ -21,6 +21,7 @@ This module checks the spec and computes the numbers; it does not import Ray or 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from typing import TYPE_CHECKING
 
@@ -163,7 +164,76 @@ def tuning_summary(spec: "SweepSpec", k: int) -> dict[str, float]:
         "trial_epsilon_worst": rdp_epsilon(worst, delta),
         "tuning_epsilon": tuning_epsilon(worst, delta, tp.distribution, tp.mean, tp.shape),
         "tuning_configs": float(len(configs)),
+        **({"tuning_target_epsilon": float(tp.target_epsilon), "trial_epsilon_calibrated": float(configs[0]["epsilon"])}
+           if tp.target_epsilon is not None else {}),
     }
+
+
+def _tuning_epsilon_at(spec: "SweepSpec", configs: list[dict], trial_epsilon: float, delta: float) -> float:
+    """End-to-end epsilon when every configuration of ``configs`` targets ``trial_epsilon``."""
+    from dpmech.tuning import tuning_epsilon, worst_case_rdp
+    from trainables.registry import get_trainable
+
+    tp = spec.tuning_privacy
+    entry = get_trainable(spec.trainables[0].name)
+    events = [entry.privacy_event_fn(entry.config_model(**{**{k: v for k, v in c.items() if k != "trainable"},
+                                                              "epsilon": trial_epsilon}))
+              for c in configs]
+    return tuning_epsilon(worst_case_rdp(events), delta, tp.distribution, tp.mean, tp.shape)
+
+
+_CALIBRATED: dict[str, float] = {}   # one calibration per spec and process (validation runs it again on resume)
+
+
+def _solve_trial_epsilon(spec: "SweepSpec", configs: list[dict], delta: float, rtol: float) -> float:
+    """Brent's method on log e for end-to-end(e) = target, then the bracket's lower end: the
+    returned e is within ``rtol`` of the root and its end-to-end epsilon is <= the target."""
+    from scipy.optimize import brentq
+
+    target = spec.tuning_privacy.target_epsilon
+    lo, hi = 1e-4 * target, target       # releasing the best of K >= 1 trials costs at least one trial
+    gap = lambda log_e: _tuning_epsilon_at(spec, configs, math.exp(log_e), delta) - target  # noqa: E731
+    if gap(math.log(lo)) > 0:
+        raise SpecError(f"tuning_privacy.target_epsilon: {target:g} is below what E[K] = "
+                        f"{spec.tuning_privacy.mean:g} trials cost even at a per-trial epsilon of {lo:.2g}; raise "
+                        "the target or lower tuning_privacy.mean")
+    if gap(math.log(hi)) <= 0:
+        return hi
+    e = math.exp(brentq(gap, math.log(lo), math.log(hi), xtol=rtol / 4))
+    while gap(math.log(e)) > 0:          # land on the safe side of the target
+        e *= 1 - rtol
+    return e
+
+
+def calibrate_to_target(spec: "SweepSpec", rtol: float = 1e-3) -> float:
+    """``tuning_privacy.target_epsilon``: the largest per-trial epsilon e (to ``rtol``) whose
+    end-to-end epsilon, the worst case over the search space's privacy configurations, is at most
+    the target; the trainable's ``epsilon`` is set to e (a fixed value, so every trial calibrates its
+    noise to it) and the spaces are rebuilt. The end-to-end epsilon grows with e (each configuration's
+    noise falls, its RDP curve rises order-wise, and Papernot & Steinke's bound is monotone in the
+    curve), so a root finder on log e finds it. Returns e."""
+    from trainables.registry import get_trainable
+
+    tp = spec.tuning_privacy
+    t = spec.trainables[0]
+    entry = get_trainable(t.name)
+    if "epsilon" not in entry.config_model.model_fields or "epsilon" not in entry.privacy_keys:
+        raise SpecError(f"tuning_privacy.target_epsilon: {t.name} has no per-trial target epsilon to calibrate")
+    if "epsilon" in t.search:
+        raise SpecError("trainables[0].search.epsilon: with tuning_privacy.target_epsilon the per-trial epsilon is "
+                        "calibrated from the target; leave it unset")
+    configs = privacy_configs(spec)
+    deltas = [float(c["delta"]) for c in configs if "delta" in c]
+    delta = tp.delta if tp.delta is not None else (max(deltas) if deltas else 1e-5)
+    key = json.dumps([t.name, configs, tp.model_dump(), delta, rtol], sort_keys=True, default=str)
+    if key not in _CALIBRATED:
+        _CALIBRATED[key] = _solve_trial_epsilon(spec, configs, delta, rtol)
+    lo = _CALIBRATED[key]
+    t.search["epsilon"] = lo
+    from sweeps.spec import _build_spaces
+
+    spec._spaces = _build_spaces(spec)
+    return lo
 
 
 def best_row(rows: list[dict], metric: str, mode: str) -> dict | None:

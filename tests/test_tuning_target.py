@@ -1,0 +1,73 @@
+"""``tuning_privacy.target_epsilon`` (sweeps/tuning.py): every trial's epsilon calibrated so the
+end-to-end guarantee of releasing the best of K trials lands on the target (Papernot & Steinke
+2022), checked against dp-accounting's own ``RepeatAndSelectDpEvent``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dpmech.accounting import subsampled_gaussian_event
+from dpmech.tuning import repeat_and_select_epsilon
+from sweeps.spec import SpecError, expand_trials, validate_spec
+from sweeps.tuning import tuning_summary
+from trainables.registry import REGISTRY
+
+
+def stand_in_event(cfg):
+    """One trial: 500 Poisson-subsampled Gaussian steps at q = 0.01, sigma = 2 / epsilon."""
+    return subsampled_gaussian_event(0.01, 2.0 / cfg.epsilon, 500)
+
+
+@pytest.fixture(autouse=True)
+def stand_in():
+    REGISTRY["dp_target_stand_in"] = dataclasses.replace(
+        REGISTRY["pixeldp"], name="dp_target_stand_in", privacy_event="tests.test_tuning_target:stand_in_event",
+        privacy_keys=("epsilon",))
+    yield
+    del REGISTRY["dp_target_stand_in"]
+
+
+def raw(target=3.0, mean=5, distribution="geometric", **search) -> dict:
+    return {
+        "name": "tuned",
+        "common": {"train_size": 100, "test_size": 50},
+        "trainables": [{"name": "dp_target_stand_in", "search": {"lr": {"loguniform": [1e-4, 1e-2]}, **search}}],
+        "search": {"algorithm": "random", "seed": 3, "metric": "acc_clean", "mode": "max"},
+        "tuning_privacy": {"distribution": distribution, "mean": mean, "delta": 1e-5, "target_epsilon": target},
+    }
+
+
+@pytest.mark.parametrize("distribution, mean, target", [("geometric", 5, 3.0), ("truncated_negative_binomial", 20, 1.0),
+                                                        ("poisson", 10, 3.0)])
+def test_the_end_to_end_epsilon_lands_on_the_target(distribution, mean, target):
+    spec = validate_spec(raw(target, mean, distribution) | (
+        {"tuning_privacy": {"distribution": distribution, "mean": mean, "delta": 1e-5, "target_epsilon": target,
+                            **({"shape": 0.5} if distribution == "truncated_negative_binomial" else {})}}))
+    e = spec.trainables[0].search["epsilon"]
+    summary = tuning_summary(spec, 1)
+    assert summary["trial_epsilon_calibrated"] == e and summary["tuning_target_epsilon"] == target
+    assert target * (1 - 2e-3) <= summary["tuning_epsilon"] <= target
+    # dp-accounting's repeat-and-select event of the calibrated trial agrees (independent path)
+    shape = 0.5 if distribution == "truncated_negative_binomial" else None
+    reference = repeat_and_select_epsilon(stand_in_event(type("C", (), {"epsilon": e})), 1e-5, distribution, mean, shape)
+    assert reference == pytest.approx(summary["tuning_epsilon"], rel=1e-6)
+    assert e < target                                         # tuning is never free
+    assert all(t["epsilon"] == e for t in expand_trials(spec))
+
+
+def test_more_candidates_leave_each_a_smaller_budget():
+    few = validate_spec(raw(3.0, 5)).trainables[0].search["epsilon"]
+    many = validate_spec(raw(3.0, 50)).trainables[0].search["epsilon"]
+    assert many < few < 3.0
+
+
+def test_epsilon_in_the_search_is_refused_with_a_target():
+    with pytest.raises(SpecError, match=r"^trainables\[0\]\.search\.epsilon: with tuning_privacy\.target_epsilon"):
+        validate_spec(raw(3.0, 5, epsilon=1.0))
+
+
+def test_an_unreachable_target_is_refused_in_one_line():
+    with pytest.raises(SpecError, match=r"^tuning_privacy\.target_epsilon: 1e-06 is below what"):
+        validate_spec(raw(1e-6, 5))
