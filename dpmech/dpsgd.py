@@ -578,6 +578,9 @@ class DPSGDTrainer:
             "epoch": self.epoch,
             "steps": self.steps,
             **({"canaries": self.canaries.state_dict()} if self.canaries is not None else {}),
+            # bk: the routes the engine took (dpmech.clipping; "measured" times them per process), so
+            # that a resumed run takes the same arithmetic
+            **({"bk_routes": dict(self.bookkeeper.routes)} if self.bookkeeper is not None else {}),
         })
 
     def load_state_dict(self, state: dict) -> None:
@@ -596,6 +599,8 @@ class DPSGDTrainer:
                              "other way round")
         if self.canaries is not None:
             self.canaries.load_state_dict(state["canaries"])
+        if self.bookkeeper is not None and state.get("bk_routes"):
+            self.bookkeeper.pin(state["bk_routes"])
 
 
 def build_dpsgd_model(dataset: str, seed: int = 0, model: str = "pixeldp_cnn", input_range: str = "pm1") -> nn.Module:
