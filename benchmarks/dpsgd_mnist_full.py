@@ -11,14 +11,15 @@ epsilon_pld, ...}. The ``audit_eps_3`` row repeats the epsilon-3 recipe on 59,00
 (``--audit-train-size``) with 1,000 canaries (the held-out remainder of the training split) and reports the one-run audit's
 ``epsilon_lower_bound`` (dpmech.audit) against the claim.
 
-Speed (``--speed``, or ``--speed-only``): training images/s of plain (non-private) and DP-SGD
-steps on ``tb_cnn`` and ``pixeldp_cnn``, batch 512, the same threads, the modes interleaved step by
-step in one process (so a busy machine slows them alike); ``speed.<model>`` = {plain_img_s,
-dp_img_s, slowdown = plain / dp} for the default clipping mode, and every mode under ``modes``.
+Speed (``--speed``, or ``--speed-only``): ``benchmarks/dpsgd_speed.py`` (its own one-line command
+also rewrites docs/dpsgd.md's routes table): plain (non-private) and DP-SGD steps on ``tb_cnn`` and
+``pixeldp_cnn``, batch 512, the same threads, interleaved round by round in one process;
+``speed.<model>`` = {plain_img_s, dp_img_s, slowdown = the default engine's median ratio, modes,
+routes (every route of the bk engine), ...}.
 
     python benchmarks/dpsgd_mnist_full.py                   # all rows, 3 seeds, then the summary
     python benchmarks/dpsgd_mnist_full.py --rows eps_3 --seeds 0 1 2 --threads 1
-    python benchmarks/dpsgd_mnist_full.py --speed-only --threads 2
+    python benchmarks/dpsgd_mnist_full.py --speed-only --threads 2   # = benchmarks/dpsgd_speed.py
 """
 
 from __future__ import annotations
@@ -158,38 +159,12 @@ def write_summary(speed: dict | None = None) -> Path:
 # ------------------------------------------------------------------ speed
 def measure_speed(models: list[str], modes: list[str], steps: int, batch: int, default_mode: str,
                   device: torch.device) -> dict:
-    """Images/s of plain and DP steps (each mode), interleaved step by step, fixed batch ``batch``."""
-    from dpmech.data import load_splits
-    from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer, build_dpsgd_model
+    """Plain and DP steps interleaved, by :func:`benchmarks.dpsgd_speed.measure` (issue 26: every
+    route of the bk engine and Opacus's ghost clipping side by side; ``speed.<model>`` keeps issue
+    14's keys plain_img_s, dp_img_s, slowdown, clipping, modes and adds routes)."""
+    from benchmarks.dpsgd_speed import measure
 
-    train, _ = load_splits("mnist", train_size=10000, test_size=100, seed=0)
-    x, y = train.tensors
-    out = {}
-    for name in models:
-        trainers = {"plain": DPSGDTrainer(build_dpsgd_model("mnist", 0, name), x, y, DPSGDConfig(
-            epsilon=None, batch_size=batch, lr=0.01, momentum=0.9))}
-        for mode in modes:
-            trainers[mode] = DPSGDTrainer(build_dpsgd_model("mnist", 0, name), x, y, DPSGDConfig(
-                epsilon=None, noise_multiplier=1.0, max_grad_norm=0.1, batch_size=batch, lr=0.01, momentum=0.9,
-                clipping=mode))
-        g = torch.Generator().manual_seed(0)
-        seconds = {k: 0.0 for k in trainers}
-        for s in range(steps + 2):                       # 2 warm-up rounds not timed
-            idx = torch.randperm(x.shape[0], generator=g)[:batch]
-            for k, t in trainers.items():
-                t0 = time.perf_counter()
-                t._step(idx)
-                if s >= 2:
-                    seconds[k] += time.perf_counter() - t0
-        ips = {k: steps * batch / sec for k, sec in seconds.items()}
-        entry = {"plain_img_s": ips["plain"], "dp_img_s": ips[default_mode],
-                 "slowdown": ips["plain"] / ips[default_mode], "clipping": default_mode,
-                 "modes": {m: {"dp_img_s": ips[m], "slowdown": ips["plain"] / ips[m]} for m in modes},
-                 "steps": steps, "batch_size": batch}
-        log(f"speed {name}: plain {ips['plain']:.0f} img/s; " + ", ".join(
-            f"{m} {ips[m]:.0f} img/s ({ips['plain'] / ips[m]:.2f}x)" for m in modes))
-        out[name] = entry
-    return out
+    return measure(models, rounds=steps, batch=batch)
 
 
 def main(argv=None) -> dict:
