@@ -9,7 +9,10 @@ Use it in your own study::
 The network is chosen by ``model``: by default the PixelDP network without its noise layer (the
 MNIST CNN; for CIFAR-10 the wide ResNet with GroupNorm), so DP-SGD is compared with the DPAL
 paper's mechanisms on the same architecture; ``tb_cnn`` is Tramer & Boneh 2021's tanh CNN of the
-published DP-SGD recipes (sweeps/dpsgd_mnist_tb.yaml). ``epsilon: null`` trains
+published DP-SGD recipes (sweeps/dpsgd_mnist_tb.yaml). ``features: scatternet`` trains T&B's
+``linear`` or ``scatter_cnn`` classifier on ScatterNet features of the images (cached per dataset;
+the deployed model, scattering and classifier, is what is evaluated and attacked;
+sweeps/dpsgd_mnist_scatternet_eps*.yaml). ``epsilon: null`` trains
 the non-private baseline (no clipping, no noise; epsilon reported as inf). Every key and its
 default: :class:`DPSGDTrialConfig` (``dpsweep mechanisms``); the mechanism: docs/dpsgd.md.
 """
@@ -24,6 +27,8 @@ from pydantic import Field, field_validator, model_validator
 from trainables.config import CommonConfig, check_user_model
 
 BUILTIN_MODELS = ("pixeldp_cnn", "tb_cnn", "tb_cnn_gn")
+FEATURE_MODELS = ("linear", "scatter_cnn")      # classifiers on ScatterNet features (features: scatternet)
+_IMAGE_CHANNELS = {"mnist": 1, "fashion_mnist": 1, "cifar10": 3}
 
 
 def model_field(value: str, info, *, bk: bool = False, trainable: str = "") -> str:
@@ -58,15 +63,26 @@ class DPSGDTrialConfig(CommonConfig):
     lr_schedule: Literal["constant", "cosine", "step"] = Field(
         "constant", description="learning-rate schedule over the planned steps: constant; cosine (to 0); "
                                 "step (x0.1 after 1/2 and after 3/4 of the steps)")
-    model: Literal["pixeldp_cnn", "tb_cnn", "tb_cnn_gn"] | str = Field(
+    model: Literal["pixeldp_cnn", "tb_cnn", "tb_cnn_gn", "linear", "scatter_cnn"] | str = Field(
         "pixeldp_cnn", description="network (dpmech.dp_models): pixeldp_cnn = the PixelDP network without its noise "
                                    "layer (the DPAL paper's baseline comparison); tb_cnn = Tramer & Boneh 2021's tanh "
                                    "CNN (the published DP-SGD recipes); tb_cnn_gn = tb_cnn with GroupNorm; or your "
-                                   "factory's import path 'package.module:factory' (docs/own_model.md)")
+                                   "factory's import path 'package.module:factory' (docs/own_model.md); with "
+                                   "features: scatternet, linear (GroupNorm + one linear layer) or scatter_cnn (T&B's "
+                                   "small CNN on the features), and only those")
     input_range: Literal["pm1", "unit"] = Field(
         "pm1", description="input range the network sees: pm1 = the project's [-1, 1]; unit = [0, 1] through a fixed "
                            "map (Tramer & Boneh's MNIST inputs, ToTensor without Normalize); no parameters, no privacy "
                            "effect")
+    features: Literal["none", "scatternet"] = Field(
+        "none", description="none: the network reads the images; scatternet: it reads their ScatterNet features "
+                            "(Tramer & Boneh 2021: scattering J=2, L=8, 81 channels of 7 x 7 on MNIST; a fixed "
+                            "per-image transform, no privacy cost; cached on disk per dataset), model linear or "
+                            "scatter_cnn; input_range is then the range the scattering sees (T&B: unit)")
+    feature_norm_groups: int = Field(
+        27, ge=0, description="features: scatternet: GroupNorm groups over the scattering channels (per-example "
+                              "statistics, no parameters, no privacy cost; must divide the 81 channels per image "
+                              "channel; 0 = no normalisation; T&B use 27)")
     optimizer: Literal["sgd", "adam"] = Field("sgd", description="optimizer applied to the noisy gradient")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="L2 weight decay")
@@ -89,7 +105,10 @@ class DPSGDTrialConfig(CommonConfig):
     @field_validator("model")
     @classmethod
     def _model(cls, value: str, info):
-        """A built-in network, or a factory's import path checked against the dataset."""
+        """A built-in network, or a factory's import path checked against the dataset (the
+        classifiers on features are checked against ``features`` in ``_mechanism_rules``)."""
+        if value in FEATURE_MODELS:
+            return value
         return model_field(value, info)
 
     @field_validator("clipping")
@@ -97,7 +116,7 @@ class DPSGDTrialConfig(CommonConfig):
     def _clipping(cls, value: str, info):
         """clipping 'bk' of a user's model (epsilon set): every parameterised layer must be one bk handles."""
         model, private = info.data.get("model"), info.data.get("epsilon", 1.0) is not None
-        if value == "bk" and private and model is not None and model not in BUILTIN_MODELS:
+        if value == "bk" and private and model is not None and model not in BUILTIN_MODELS + FEATURE_MODELS:
             check_user_model(model, info, bk=True)
         return value
 
@@ -106,7 +125,35 @@ class DPSGDTrialConfig(CommonConfig):
         if self.train_size is not None and self.batch_size > self.train_size:
             raise ValueError(f"batch_size must be <= train_size ({self.train_size}): the sampling rate "
                              f"batch_size / train_size is a probability, got {self.batch_size}")
+        self._feature_rules()
         return self
+
+    def _feature_rules(self) -> None:
+        """``features`` and ``model`` go together (scatternet with linear / scatter_cnn only); with
+        ScatterNet features, no input noise augmentation and GroupNorm groups that divide the
+        81 C channels. Model-level rules: each depends on more than one key (a spec sweeps them)."""
+        if self.features == "none":
+            if self.model in FEATURE_MODELS:
+                raise ValueError(f"features must be 'scatternet' with model {self.model!r} (a classifier on ScatterNet "
+                                 f"features, not on images), got 'none'")
+            return
+        if self.model not in FEATURE_MODELS:
+            raise ValueError(f"model must be 'linear' or 'scatter_cnn' with features 'scatternet' (a classifier on the "
+                             f"features), got {self.model!r}")
+        if self.noise_augmentation_sigma > 0:
+            raise ValueError("noise_augmentation_sigma must be 0 with features 'scatternet': the noise would be added "
+                             "to the features, not the images, so the model would not be a smoothing base classifier")
+        channels = _IMAGE_CHANNELS.get(self.dataset)
+        if channels is None:                 # a loader's dataset (already loaded by the dataset check)
+            from dpmech.data import input_shape
+            from dpmech.scatternet import check_params
+
+            shape = input_shape(self.dataset)
+            check_params(shape, 2, 8, self.input_range)
+            channels = shape[0]
+        if self.feature_norm_groups and (81 * channels) % self.feature_norm_groups:
+            raise ValueError(f"feature_norm_groups must divide the {81 * channels} ScatterNet channels of "
+                             f"{self.dataset!r} (GroupNorm groups; 0 = none), got {self.feature_norm_groups}")
 
     def smoothing_unavailable(self) -> str | None:
         if self.noise_augmentation_sigma == 0:
@@ -148,6 +195,8 @@ PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "datas
 @lru_cache(maxsize=None)
 def _mechanism_class():
     """``DPSGDMechanism``, built on first use (it subclasses the runtime's ``TrainerMechanism``)."""
+    import torch
+
     from dpmech.dpsgd import DPSGDTrainer, build_dpsgd_model
     from trainables.audit_config import whitebox_canaries
     from trainables.runtime import TrainerMechanism
@@ -157,8 +206,65 @@ def _mechanism_class():
 
         def __init__(self, cfg: DPSGDTrialConfig, x, y, device):
             self.sigma = float(cfg.noise_augmentation_sigma)
-            self.trainer = DPSGDTrainer(build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model, cfg.input_range), x, y, dpsgd_config(cfg),
+            self.extractor = self.deployed = None
+            if cfg.features == "scatternet":
+                model, x = self._scatternet(cfg, x, device)
+            else:
+                model = build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model, cfg.input_range)
+            self.trainer = DPSGDTrainer(model, x, y, dpsgd_config(cfg),
                                         device=device, plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg))
+            if self.extractor is not None:
+                # the deployed model reads images: evaluation, attacks and audits see scattering + classifier
+                self.deployed = torch.nn.Sequential(self.extractor, self.trainer.model)
+                self.conventional_accuracy = self._features_accuracy   # runtime.evaluate uses it when present
+
+        def _scatternet(self, cfg: DPSGDTrialConfig, x, device):
+            """(classifier, features of x): the training examples become their cached ScatterNet
+            features (same N, so the same q, sigma and steps: the privacy event is unchanged)."""
+            from dpmech.data import num_classes
+            from dpmech.dp_models import build_feature_model
+            from dpmech.scatternet import ScatterNet, scatter_features
+
+            self.dataset, self.input_range = cfg.dataset, cfg.input_range
+            self.extractor = ScatterNet(tuple(x.shape[1:]), input_range=cfg.input_range).to(device)
+            self._feature_memo = None
+            feats = scatter_features(x, input_range=cfg.input_range, dataset=cfg.dataset, device=device)
+            model = build_feature_model(cfg.model, feats.shape[1:], num_classes(cfg.dataset), cfg.seed,
+                                        groups=cfg.feature_norm_groups)
+            return model, feats
+
+        def _features(self, x):
+            """ScatterNet features of evaluation images (disk cache; memo of the last tensor)."""
+            from dpmech.scatternet import scatter_features
+
+            key = (x.data_ptr(), tuple(x.shape), str(x.device))
+            if self._feature_memo is None or self._feature_memo[0] != key:
+                feats = scatter_features(x, input_range=self.input_range, dataset=self.dataset, device=x.device)
+                self._feature_memo = (key, feats)
+            return self._feature_memo[1]
+
+        @property
+        def model(self):
+            """The deployed model (images in): ``Sequential(ScatterNet, classifier)`` with features,
+            else the trained network."""
+            return self.deployed if self.deployed is not None else self.trainer.model
+
+        def test_accuracy(self, x, y) -> float:
+            if self.deployed is None:
+                return self.trainer.accuracy(x, y)
+            return self.trainer.accuracy(self._features(x), y)   # = the deployed model's accuracy on x
+
+        def _features_accuracy(self, x, y, cfg) -> dict[str, float]:
+            """The final conventional accuracy with features: with attacks, everything on the deployed
+            model end to end (gradients through the scattering); without, ``acc_clean`` from the
+            cached features of the same images (the same function, computed once)."""
+            if cfg.attacks:
+                from dpmech.evaluation import conventional_accuracy
+
+                return conventional_accuracy(
+                    self.deployed, x, y, attacks=cfg.attacks, norm=cfg.attack_norm, n_predict=cfg.n_predict,
+                    eot_samples=cfg.eot_samples, steps=cfg.attack_steps, seed=cfg.seed, attack_labels=cfg.attack_labels)
+            return {"acc_clean": self.test_accuracy(x, y)}
 
         def privacy(self) -> dict[str, float]:
             """epsilon (RDP) and epsilon_pld of the ledger, delta, noise_multiplier, sampling_rate, steps."""
