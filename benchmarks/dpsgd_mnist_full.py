@@ -198,6 +198,8 @@ def write_summary(speed: dict | None = None) -> Path:
                "date": env["date"]}
     if speed is None and "speed_threads" in old:
         payload["speed_threads"] = old["speed_threads"]
+    # sections other benchmarks write into this file (benchmarks/dpsgd_tuned.py: tuned) are kept
+    payload = {**{k: v for k, v in old.items() if k not in payload and k != "speed_threads"}, **payload}
     return write_result(NAME, payload)
 
 

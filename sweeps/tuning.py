@@ -191,17 +191,20 @@ def _solve_trial_epsilon(spec: "SweepSpec", configs: list[dict], delta: float, r
     from scipy.optimize import brentq
 
     target = spec.tuning_privacy.target_epsilon
-    lo, hi = 1e-4 * target, target       # releasing the best of K >= 1 trials costs at least one trial
+    hi = target                          # releasing the best of K >= 1 trials costs at least one trial
     gap = lambda log_e: _tuning_epsilon_at(spec, configs, math.exp(log_e), delta) - target  # noqa: E731
+    lo = target / 8                      # usual: tuning costs less than 8x (one evaluation fewer per octave)
     if gap(math.log(lo)) > 0:
+        lo = 1e-4 * target
+    if lo < target / 8 and gap(math.log(lo)) > 0:
         raise SpecError(f"tuning_privacy.target_epsilon: {target:g} is below what E[K] = "
                         f"{spec.tuning_privacy.mean:g} trials cost even at a per-trial epsilon of {lo:.2g}; raise "
                         "the target or lower tuning_privacy.mean")
     if gap(math.log(hi)) <= 0:
         return hi
-    e = math.exp(brentq(gap, math.log(lo), math.log(hi), xtol=rtol / 4))
+    e = math.exp(brentq(gap, math.log(lo), math.log(hi), xtol=rtol / 20))
     while gap(math.log(e)) > 0:          # land on the safe side of the target
-        e *= 1 - rtol
+        e *= 1 - rtol / 10
     return e
 
 

@@ -1,0 +1,175 @@
+"""The headline that charges the tuning (issue 26): DP-SGD on ScatterNet features with its
+hyperparameters chosen by private selection, at an end-to-end epsilon of 3 and of 1.
+
+Each row is one sweep, ``sweeps/dpsgd_mnist_scatternet_tuned_eps{3,1}.yaml``, run by ``dpsweep run``:
+K ~ Logarithmic(mean 20) candidates (K drawn from ``search.seed`` 0 before anything runs), each
+drawing its learning rate, clipping bound, batch size and epochs at random, each at the per-trial
+epsilon that makes releasing the best one cost the target in all (``tuning_privacy.target_epsilon``,
+Papernot & Steinke 2022, Thm 2 through dp-accounting). The selection reads each candidate's accuracy on
+5,000 test images (``test_size: 5000``, ``data_seed: 0``); the released model is then scored here on
+the other 5,000 test images, which no candidate and no selection ever saw: ``acc``, the number the
+headline reports. (Reporting the selected candidate's own score would count the selection's luck.)
+
+Writes ``tuned.eps_3`` and ``tuned.eps_1`` into benchmarks/results/dpsgd_mnist_full.json (a
+read-modify-write of that file; the other sections are left as they are):
+{acc, acc_selection, epsilon_total, trial_epsilon, expected_candidates, candidates, distribution,
+released_config, candidates_acc, untuned, published}.
+
+    python benchmarks/dpsgd_tuned.py                 # run both sweeps (about an hour on 2 cores), then collect
+    python benchmarks/dpsgd_tuned.py --rows eps_3 --collect-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import RESULTS, environment, log, write_result  # noqa: E402
+
+NAME = "dpsgd_mnist_full"
+SPECS = {"eps_3": ROOT / "sweeps" / "dpsgd_mnist_scatternet_tuned_eps3.yaml",
+         "eps_1": ROOT / "sweeps" / "dpsgd_mnist_scatternet_tuned_eps1.yaml"}
+TARGETS = {"eps_3": 0.980, "eps_1": 0.965}
+# untuned: our ScatterNet recipe at the same epsilon (its hyperparameters are T&B's, found by them on
+# this test set and not charged); published: T&B 2021 (ScatterNet + linear, eps 3; no eps 1 figure)
+UNTUNED_ROW = {"eps_3": "eps_3", "eps_1": "eps_1"}
+PUBLISHED = {"eps_3": 0.987, "eps_1": None}
+STORE = Path(os.environ.get("DPSWEEP_BENCH_STORE", Path.home() / ".cache" / "dpsweep" / "bench" / "dpsgd_tuned"))
+
+
+def tracking_uri() -> str:
+    return f"sqlite:///{STORE / 'mlflow.db'}"
+
+
+def run_sweep(row: str) -> None:
+    STORE.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "sweeps.cli", "run", str(SPECS[row]), "--tracking-uri", tracking_uri(),
+           "--storage", str(STORE / "ray")]
+    log(f"{row}: {' '.join(cmd)}")
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def _parent_run(client, spec) -> "mlflow.entities.Run":  # noqa: F821
+    """The latest finished parent run of ``spec``'s sweep in the store (the one with a released trial)."""
+    exp = client.get_experiment_by_name(spec.mlflow.experiment)
+    if exp is None:
+        raise SystemExit(f"no experiment {spec.mlflow.experiment!r} in {tracking_uri()}: run the sweep first")
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.`dpsweep.released_run_id` != ''",
+                              order_by=["attributes.start_time DESC"])
+    runs = [r for r in runs if r.info.status == "FINISHED" and "tuning_epsilon" in r.data.metrics]
+    if not runs:
+        raise SystemExit(f"no finished tuning-private sweep with a released trial in {spec.mlflow.experiment!r}")
+    return runs[0]
+
+
+def _classifier_state(state: dict) -> dict:
+    """The classifier's weights, from the trial's model artifact (classifier alone, or scattering + classifier)."""
+    if any(k.startswith("1.") for k in state) and not any(k.startswith("0.") and "weight" in k for k in state):
+        return {k[2:]: v for k, v in state.items() if k.startswith("1.")}
+    return state
+
+
+def held_out_accuracy(config: dict, weights: Path) -> tuple[float, int]:
+    """Accuracy of the released model (scattering + classifier) on the test images the sweep's
+    ``test_size`` subset left out (dpmech.data.load_held_out: the test split's complement)."""
+    from dpmech.data import load_held_out, num_classes
+    from dpmech.dp_models import build_feature_model
+    from dpmech.scatternet import feature_shape, scatter_features
+
+    held = load_held_out(config["dataset"], train_size=None, test_size=int(config["test_size"]),
+                         seed=int(config["data_seed"]))
+    x, y = held.tensors
+    feats = scatter_features(x, input_range=config["input_range"], dataset=config["dataset"])
+    model = build_feature_model(config["model"], feature_shape(tuple(x.shape[1:])), num_classes(config["dataset"]),
+                                int(config["seed"]), int(config["feature_norm_groups"]))
+    model.load_state_dict(_classifier_state(torch.load(weights, weights_only=True)))
+    model.eval()
+    with torch.no_grad():
+        pred = torch.cat([model(feats[i:i + 2000]).argmax(1) for i in range(0, len(feats), 2000)])
+    return float((pred == y).float().mean()), int(len(y))
+
+
+def _param(value: str):
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return value
+
+
+def collect(row: str) -> dict:
+    import mlflow
+    import yaml
+
+    from sweeps.spec import validate_spec
+
+    spec = validate_spec(yaml.safe_load(SPECS[row].read_text()))
+    client = mlflow.tracking.MlflowClient(tracking_uri())
+    parent = _parent_run(client, spec)
+    m = parent.data.metrics
+    child = client.get_run(parent.data.tags["dpsweep.released_run_id"])
+    keys = ("epsilon", "delta", "lr", "max_grad_norm", "batch_size", "epochs", "momentum", "model", "features",
+            "feature_norm_groups", "input_range", "seed", "test_size", "data_seed", "dataset")
+    config = {k: _param(child.data.params[k]) for k in keys if k in child.data.params}
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = Path(client.download_artifacts(parent.info.run_id, "released/weights.pt", tmp))
+        acc, n_held = held_out_accuracy(config, weights)
+    siblings = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    cand = sorted(float(r.data.metrics["acc_clean"]) for r in siblings if "acc_clean" in r.data.metrics)
+    summary = json.loads((RESULTS / f"{NAME}.json").read_text())
+    untuned = summary.get("scatternet", {}).get(UNTUNED_ROW[row], {}).get("mean")
+    out = {
+        "acc": acc, "acc_n": n_held,
+        "acc_selection": m.get("released_acc_clean"),
+        "epsilon_total": m["tuning_epsilon"], "delta": m["tuning_delta"],
+        "trial_epsilon": m.get("trial_epsilon_calibrated", config.get("epsilon")),
+        "target_epsilon": m.get("tuning_target_epsilon"),
+        "expected_candidates": m["tuning_mean"], "candidates": int(m["tuning_trials"]),
+        "distribution": spec.tuning_privacy.distribution,
+        "released_config": config, "candidates_acc": cand, "candidates_finished": len(cand),
+        "target": TARGETS[row], "met": acc >= TARGETS[row],
+        "untuned": untuned, "published": PUBLISHED[row],
+        "spec": str(SPECS[row].relative_to(ROOT)), "parent_run_id": parent.info.run_id,
+    }
+    log(f"{row}: released acc {acc:.4f} on {n_held} held-out images (selection score {out['acc_selection']}), "
+        f"epsilon total {out['epsilon_total']:.3f} (per trial {out['trial_epsilon']:.3f}), K {out['candidates']} "
+        f"(E[K] {out['expected_candidates']:g}); candidates median {statistics.median(cand) if cand else None}")
+    return out
+
+
+def write(rows: dict) -> Path:
+    path = RESULTS / f"{NAME}.json"
+    payload = json.loads(path.read_text())
+    payload.setdefault("tuned", {}).update(rows)
+    payload["tuned_environment"] = environment(torch.device("cpu"))
+    return write_result(NAME, payload, out=path)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="+", default=list(SPECS), choices=list(SPECS))
+    ap.add_argument("--collect-only", action="store_true", help="read the finished sweeps; run nothing")
+    args = ap.parse_args(argv)
+    rows = {}
+    for row in args.rows:
+        if not args.collect_only:
+            run_sweep(row)
+        rows[row] = collect(row)
+    log(f"wrote {write(rows)}")
+
+
+if __name__ == "__main__":
+    main()
