@@ -114,6 +114,7 @@ def collect(row: str) -> dict:
     import yaml
 
     from sweeps.spec import validate_spec
+    from sweeps.tuning import _tuning_epsilon_at, privacy_configs
 
     spec = validate_spec(yaml.safe_load(SPECS[row].read_text()))
     client = mlflow.tracking.MlflowClient(tracking_uri())
@@ -129,13 +130,20 @@ def collect(row: str) -> dict:
     siblings = client.search_runs([parent.info.experiment_id],
                                   filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     cand = sorted(float(r.data.metrics["acc_clean"]) for r in siblings if "acc_clean" in r.data.metrics)
+    # the end-to-end epsilon of the trials as they ran (their logged per-trial epsilon), not of a
+    # re-calibration of the spec by the code of today
+    ran = {float(r.data.params["epsilon"]) for r in siblings if "epsilon" in r.data.params}
+    if len(ran) != 1:
+        raise SystemExit(f"{row}: the candidates ran at different per-trial epsilons {sorted(ran)}")
+    trial_epsilon = ran.pop()
+    total = _tuning_epsilon_at(spec, privacy_configs(spec), trial_epsilon, m["tuning_delta"])
     summary = json.loads((RESULTS / f"{NAME}.json").read_text())
     untuned = summary.get("scatternet", {}).get(UNTUNED_ROW[row], {}).get("mean")
     out = {
         "acc": acc, "acc_n": n_held,
         "acc_selection": m.get("released_acc_clean"),
-        "epsilon_total": m["tuning_epsilon"], "delta": m["tuning_delta"],
-        "trial_epsilon": m.get("trial_epsilon_calibrated", config.get("epsilon")),
+        "epsilon_total": total, "delta": m["tuning_delta"], "epsilon_total_logged": m["tuning_epsilon"],
+        "trial_epsilon": trial_epsilon,
         "target_epsilon": m.get("tuning_target_epsilon"),
         "expected_candidates": m["tuning_mean"], "candidates": int(m["tuning_trials"]),
         "distribution": spec.tuning_privacy.distribution,
@@ -158,6 +166,40 @@ def write(rows: dict) -> Path:
     return write_result(NAME, payload, out=path)
 
 
+DOC = ROOT / "docs" / "dpsgd.md"
+
+
+def doc_table(tuned: dict) -> str:
+    """docs/dpsgd.md's tuned-headline table, from the results file's ``tuned`` section."""
+    pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"  # noqa: E731
+    lines = ["| end-to-end epsilon (target) | per-trial epsilon | K drawn (E[K], distribution) | released model, "
+             "held-out 5,000 (target) | its selection score | candidates: median [min, max] | untuned recipe "
+             "(search not charged) | published (search not charged) | released config |",
+             "| --- " * 9 + "|"]
+    for row in ("eps_3", "eps_1"):
+        e = tuned.get(row)
+        if e is None:
+            continue
+        c = e["released_config"]
+        cand = e["candidates_acc"]
+        lines.append(
+            f"| {e['epsilon_total']:.3f} ({e['target_epsilon']:g}) | {e['trial_epsilon']:.3f} | {e['candidates']} "
+            f"({e['expected_candidates']:g}, {e['distribution']}) | **{pct(e['acc'])}** (>= {pct(e['target'])}: "
+            f"{'met' if e['met'] else 'missed'}) | {pct(e['acc_selection'])} | {pct(statistics.median(cand))} "
+            f"[{pct(min(cand))}, {pct(max(cand))}] | {pct(e['untuned'])} | {pct(e['published'])} | lr {c['lr']:.3g}, "
+            f"C {c['max_grad_norm']:.3g}, batch {c['batch_size']}, {c['epochs']} epochs |")
+    return "\n".join(lines)
+
+
+def update_docs() -> None:
+    from benchmarks.common import update_doc_blocks
+
+    tuned = json.loads((RESULTS / f"{NAME}.json").read_text()).get("tuned", {})
+    if tuned and "<!-- dpsgd_tuned:begin" in DOC.read_text():
+        update_doc_blocks({DOC: {"dpsgd_tuned": doc_table(tuned)}})
+        log(f"updated {DOC}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="+", default=list(SPECS), choices=list(SPECS))
@@ -169,6 +211,7 @@ def main(argv=None) -> None:
             run_sweep(row)
         rows[row] = collect(row)
     log(f"wrote {write(rows)}")
+    update_docs()
 
 
 if __name__ == "__main__":
