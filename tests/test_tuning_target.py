@@ -4,36 +4,22 @@ end-to-end guarantee of releasing the best of K trials lands on the target (Pape
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from dpmech.accounting import subsampled_gaussian_event
 from dpmech.tuning import repeat_and_select_epsilon
 from sweeps.spec import SpecError, expand_trials, validate_spec
 from sweeps.tuning import tuning_summary
-from trainables.registry import REGISTRY
 
-
-def stand_in_event(cfg):
-    """One trial: 500 Poisson-subsampled Gaussian steps at q = 0.01, sigma = 2 / epsilon."""
-    return subsampled_gaussian_event(0.01, 2.0 / cfg.epsilon, 500)
-
-
-@pytest.fixture(autouse=True)
-def stand_in():
-    REGISTRY["dp_target_stand_in"] = dataclasses.replace(
-        REGISTRY["pixeldp"], name="dp_target_stand_in", privacy_event="tests.test_tuning_target:stand_in_event",
-        privacy_keys=("epsilon",))
-    yield
-    del REGISTRY["dp_target_stand_in"]
+# the stand-in trainable of the spec tests (PixelDP's schema, a DP-SGD-like event keyed on epsilon):
+# importing its autouse fixture registers it for these tests too
+from tests.test_tuning_spec import stand_in, stand_in_event  # noqa: F401
 
 
 def raw(target=3.0, mean=5, distribution="geometric", **search) -> dict:
     return {
         "name": "tuned",
         "common": {"train_size": 100, "test_size": 50},
-        "trainables": [{"name": "dp_target_stand_in", "search": {"lr": {"loguniform": [1e-4, 1e-2]}, **search}}],
+        "trainables": [{"name": "dp_stand_in", "search": {"lr": {"loguniform": [1e-4, 1e-2]}, **search}}],
         "search": {"algorithm": "random", "seed": 3, "metric": "acc_clean", "mode": "max"},
         "tuning_privacy": {"distribution": distribution, "mean": mean, "delta": 1e-5, "target_epsilon": target},
     }
