@@ -79,7 +79,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SUPPORTED = (nn.Linear, nn.Conv2d, nn.GroupNorm)
-ROUTES = ("ghost", "inst", "bmm", "bmm_w", "bmm_f", "grouped", "grouped_w", "grouped_f", "compiled", "compiled_f")
+ROUTES = ("ghost", "inst", "bmm", "bmm_w", "bmm_f", "grouped", "grouped_w", "grouped_f", "compiled", "compiled_w",
+          "compiled_f")
 PREFER = ("measured", "mixed") + ROUTES
 KEPT = ("inst", "bmm", "grouped", "compiled")   # routes whose clipped sum comes from the kept per-example gradients
 FUSED = ("bmm_f", "grouped_f", "compiled_f")    # the clipped sum taken chunk by chunk (one layer per step)
@@ -87,7 +88,7 @@ INST_MAX = 1 << 26      # largest kept per-example weight gradient of one layer 
 CHUNK_FLOATS = 1 << 19  # a chunk's working set (its gradients, patches and output gradients), ~2 MB in float32
 PRUNE = 8               # a route estimated to cost PRUNE x another's is not timed
 COMPILE_MIN = 1 << 26   # "measured" times the compiled routes only on layers of >= this many B T p d multiply-adds
-MEASURE_REPEATS = 2     # timed runs of each route (after one untimed) when prefer="measured"; the minimum counts
+MEASURE_REPEATS = 4     # timed rounds over the routes (after one untimed) when prefer="measured"; the minimum counts
 
 # seconds per route measured per layer geometry (kind, shapes, dtype, device, threads): one timing per process
 _MEASURED: dict[tuple, dict[str, float]] = {}
@@ -216,23 +217,26 @@ class _Layer:
         return out.reshape(n, self.p, self.d)
 
     def chunk_grads(self, route: str, i: int, e: int, out: torch.Tensor | None = None):
-        """Per-example weight gradients [n, p, d] of examples i..e-1 (into ``out`` if given) and
+        """Per-example weight gradients [n, p d] of examples i..e-1 (into ``out`` if given) and
         their squared norms [n]."""
         n = e - i
         if route.startswith("compiled") and n == self.chunk and not _COMPILE_ERROR:   # a full chunk
             try:
-                g, sq = _compiled()(self._pv[i:e], self.dz[i:e])
+                if route == "compiled_w":        # the norms only: the gradients stay inside the kernel
+                    return None, _compiled("norms")(self._pv[i:e], self.dz[i:e])
+                g, sq = _compiled("grads")(self._pv[i:e], self.dz[i:e])
             except Exception as err:          # no C++ compiler, an unsupported platform: eager instead
                 _compile_failed(err)
             else:
-                return (g if out is None else out.copy_(g)), sq
+                return (g.reshape(n, -1) if out is None else out.copy_(g.reshape(n, -1))), sq
         if route.startswith("grouped"):
-            g = self.grouped(i, e)
+            g = self.grouped(i, e).reshape(n, -1)
             g = g if out is None else out.copy_(g)
         else:
             u, dz = self.chunk_cols(i, e)
-            g = torch.bmm(dz, u) if out is None else torch.bmm(dz, u, out=out)
-        return g, torch.linalg.vector_norm(g.reshape(n, -1), dim=1).square()
+            g = torch.bmm(dz, u) if out is None else torch.bmm(dz, u, out=out.view(n, self.p, self.d))
+            g = g.reshape(n, -1)
+        return g, torch.linalg.vector_norm(g, dim=1).square()
 
     # ---------------------------------------------------------------- norms
     @property
@@ -245,17 +249,18 @@ class _Layer:
 
     def norms(self, route: str, workers: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Squared per-example weight-gradient norms [b] by ``route`` (a fused route as its "_w"
-        form), and the per-example gradients [b, p d] where the route keeps them for the sum;
-        the chunks split over ``workers`` threads (:func:`_split`)."""
+        form), and the per-example gradients [b, p d] where the route keeps them for the sum
+        (written chunk by chunk into one buffer: one [b, p d] allocation, where a list of chunks
+        costs the allocator fresh pages every step); the chunks split over ``workers`` threads
+        (:func:`_split`)."""
         b, p, d = self.b, self.p, self.d
-        dt, dev = self.a.dtype, self.a.device
         if route == "inst":
             u, g = self.cols()
             kept = torch.bmm(g, u.transpose(1, 2)).reshape(b, -1)        # [B, p d]
             return torch.linalg.vector_norm(kept, dim=1).square(), kept
-        sq = torch.empty(b, dtype=dt, device=dev)
+        sq = torch.empty(b, dtype=self.a.dtype, device=self.a.device)
         keep = route in KEPT
-        kept = torch.empty(b, p * d, dtype=dt, device=dev) if keep else None
+        kept = torch.empty(b, p * d, dtype=self.a.dtype, device=self.a.device) if keep else None
         if self.conv and not route.startswith("grouped") and self._pv is None:
             self._pv = _patches(self.a, self.m)
 
@@ -264,9 +269,13 @@ class _Layer:
                 u, g = self.chunk_cols(i, e)                               # [n, kT, d], [n, p, kT]
                 sq[i:e] = (torch.bmm(u, u.transpose(1, 2)) * torch.bmm(g.transpose(1, 2), g)).sum((1, 2))
                 return
-            sq[i:e] = self.chunk_grads(route, i, e, kept[i:e].view(e - i, p, d) if keep else None)[1]
+            sq[i:e] = self.chunk_grads(route, i, e, kept[i:e] if keep else None)[1]
         _split(self.ranges(), workers, lambda part: [chunk(i, e) for i, e in part])
         return sq, kept
+
+    def kept_sum(self, kept: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """sum_i c_i g_i^W from the kept per-example gradients [b, p d]."""
+        return (c @ kept).reshape(self.shape)
 
     def fused(self, route: str, sq_rest: torch.Tensor, max_grad_norm: float,
               workers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,11 +287,21 @@ class _Layer:
         if self.conv and not route.startswith("grouped") and self._pv is None:
             self._pv = _patches(self.a, self.m)
 
+        bound = torch.tensor(max_grad_norm, dtype=self.a.dtype, device=self.a.device)
+
         def part(ranges: list[tuple[int, int]]) -> torch.Tensor:
             w = torch.zeros(self.p * self.d, dtype=self.a.dtype, device=self.a.device)
             for i, e in ranges:
+                if route == "compiled_f" and e - i == self.chunk and not _COMPILE_ERROR:
+                    try:         # the norms, factors and the chunk's share of the sum in one compiled call
+                        s, share = _compiled("fused")(self._pv[i:e], self.dz[i:e], sq_rest[i:e], bound)
+                    except Exception as err:
+                        _compile_failed(err)
+                    else:
+                        sq[i:e] = s
+                        w += share
+                        continue
                 gi, s = self.chunk_grads(route, i, e)
-                gi = gi.reshape(e - i, -1)
                 sq[i:e] = s
                 c = (max_grad_norm / ((sq_rest[i:e] + s).clamp_min(0).sqrt() + 1e-6)).clamp(max=1.0)
                 w.addmv_(gi.t(), c)
@@ -360,28 +379,32 @@ class _Layer:
     def measure(self) -> dict[str, float]:
         """Seconds of every plausible route (norms and clipped sum, c = 1) on this batch, each in one
         thread team (intra-op threads) and, with more than one thread, with its chunks split over
-        that many threads ("route@k"): one untimed run, then the minimum of ``MEASURE_REPEATS``."""
+        that many threads ("route@k"): one untimed round over all of them (compilation, first
+        touch), then ``MEASURE_REPEATS`` rounds, the routes interleaved in each (a burst of load
+        from other processes hits one round of every route, not every run of one); the minimum."""
         ones = torch.ones(self.b, dtype=self.a.dtype, device=self.a.device)
         threads = torch.get_num_threads()
-        times = {}
+        variants = []
         for r in self.plausible():
             split = threads > 1 and r != "inst" and not r.startswith("compiled") and len(self.ranges()) > 1
-            for workers in ([1, threads] if split else [1]):
-                best = float("inf")
-                for rep in range(MEASURE_REPEATS + 1):
-                    t0 = time.perf_counter()
-                    if r in FUSED:
-                        sq, w = self.fused(r, torch.zeros_like(ones), 1.0, workers)
-                    else:
-                        sq, kept = self.norms(r, workers)
-                        w = (ones @ kept).reshape(self.shape) if kept is not None else self.weighted_sum(ones)
-                    float(sq[0] + w.flatten()[0])     # wait for the result (an accelerator is asynchronous)
-                    if rep:
-                        best = min(best, time.perf_counter() - t0)
-                    self._pv = None
+            variants += [(r, w) for w in ([1, threads] if split else [1])]
+        times = {}
+        for rep in range(MEASURE_REPEATS + 1):
+            for r, workers in variants:
                 if r.startswith("compiled") and _COMPILE_ERROR:
                     continue                       # torch.compile failed on the untimed run: not a candidate
-                times[r if workers == 1 else f"{r}@{workers}"] = best
+                t0 = time.perf_counter()
+                if r in FUSED:
+                    sq, w = self.fused(r, torch.zeros_like(ones), 1.0, workers)
+                else:
+                    sq, kept = self.norms(r, workers)
+                    w = self.kept_sum(kept, ones) if kept is not None else self.weighted_sum(ones)
+                float(sq[0] + w.flatten()[0])     # wait for the result (an accelerator is asynchronous)
+                seconds = time.perf_counter() - t0
+                self._pv = None
+                if rep:
+                    name = r if workers == 1 else f"{r}@{workers}"
+                    times[name] = min(times.get(name, float("inf")), seconds)
         return times
 
 
@@ -395,15 +418,29 @@ def _grads_and_norms(pv: torch.Tensor, dz: torch.Tensor) -> tuple[torch.Tensor, 
     return g, g.square().sum(2).sum(1)
 
 
-_COMPILED = None
+def _norms_only(pv: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
+    """The squared norms of :func:`_grads_and_norms` alone ("compiled_w")."""
+    return _grads_and_norms(pv, dz)[1]
+
+
+def _fused_share(pv: torch.Tensor, dz: torch.Tensor, rest: torch.Tensor,
+                 bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """"compiled_f": a chunk's squared norms s_i, its factors c_i = min(1, C / (sqrt(rest_i + s_i)
+    + 1e-6)) and its share sum_i c_i g_i of the clipped sum, in one compiled call."""
+    g, s = _grads_and_norms(pv, dz)
+    c = (bound / ((rest + s).clamp_min(0).sqrt() + 1e-6)).clamp(max=1.0)
+    return s, c @ g.reshape(g.shape[0], -1)
+
+
+_KERNELS = {"grads": _grads_and_norms, "norms": _norms_only, "fused": _fused_share}
+_COMPILED: dict = {}
 _COMPILE_ERROR: str | None = None
 
 
-def _compiled():
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(_grads_and_norms, dynamic=False)
-    return _COMPILED
+def _compiled(kind: str = "grads"):
+    if kind not in _COMPILED:
+        _COMPILED[kind] = torch.compile(_KERNELS[kind], dynamic=False)
+    return _COMPILED[kind]
 
 
 def _compile_failed(err: Exception) -> None:
@@ -588,7 +625,7 @@ class BookKeeper:
         sq = sq + sw
 
         def clipped(c):
-            w = (c @ kept).reshape(shape) if kept is not None else lay.weighted_sum(c)
+            w = lay.kept_sum(kept, c) if kept is not None else lay.weighted_sum(c)
             return w, (None if gb is None else c @ gb)
         return sq, clipped
 
