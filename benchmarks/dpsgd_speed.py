@@ -47,6 +47,7 @@ ROUTES = {
     "grouped": "grouped",      # per-example gradients of a chunk by one grouped convolution, kept
     "grouped_f": "grouped_f",  # ... fused
     "compiled": "compiled",    # bmm with the chunk's patch gather, matmul and norm by torch.compile, kept
+    "compiled_w": "compiled_w",  # compiled norms only; sums by re-weighted weight gradients
     "compiled_f": "compiled_f",  # ... fused
     "bmm_f@2": "bmm_f@2",      # bmm_f with the chunks split over 2 threads (1 intra-op thread each)
     "grouped_f@2": "grouped_f@2",
@@ -61,7 +62,8 @@ DESCRIPTION = {
     "grouped": "per-example conv gradients as one grouped convolution per chunk (no patch copy), kept",
     "grouped_f": "grouped, the last routed layer's sum taken chunk by chunk",
     "compiled": "bmm with each full chunk's patch gather + matmul + norm compiled by torch.compile (inductor, C++)",
-    "compiled_f": "compiled, the last routed layer's sum taken chunk by chunk",
+    "compiled_w": "compiled norms only (the gradients stay in the kernel); sums by re-weighted weight gradients",
+    "compiled_f": "compiled, the last routed layer's norms, factors and sum in one compiled call per chunk",
     "bmm_f@2": "bmm_f with the chunks split over 2 Python threads of 1 intra-op thread each",
     "grouped_f@2": "grouped_f with the chunks split over 2 threads",
     "measured": "**default**: per layer the fastest of all routes by a one-off timing at the first step",
@@ -151,7 +153,9 @@ def routes_table(speed: dict) -> str:
                      for m in models)
     rows.append("")
     rows.append(f"{meta['steps']} interleaved rounds per model, batch {meta['batch_size']}, {meta['threads']} threads, "
-                f"{meta.get('date', '')}; 1-minute load average before -> after ({os.cpu_count()} cores): {load}. "
+                f"{meta.get('date', '')}; 1-minute load average before -> after ({os.cpu_count()} cores; the benchmark's own "
+                f"threads count ~{meta['threads']}): {load}. Ratio: median over the rounds of (route step / plain step "
+                "in the same round); img/s: batch / median step time. "
                 "Default's per-layer choice: " + "; ".join(
                     f"{m} {speed[m]['layer_routes']}" for m in models) + ".")
     return "\n".join(rows)

@@ -38,10 +38,10 @@ per-example weight gradient is g_i^W = dz_i^T a_i ([p, d]) and the bias gradient
    * the weight gradient of the *re-weighted* output gradients, S^W = sum_i c_i dz_i^T a_i, one
      weight-gradient convolution / matmul, the non-private step's cost (``ghost``, and ``bmm_w``,
      ``grouped_w`` that drop the per-example gradients after their norms);
-   * *fused* (``bmm_f``, ``grouped_f``, ``compiled_f``), for ONE layer per step, processed last:
-     once every other layer's norms are known, each chunk's per-example gradients give their
-     norms, the chunk's factors c_i and their share sum_i c_i g_i^W while still in cache: no
-     second weight-gradient pass and no B x p x d tensor.
+   * *fused* (``bmm_f``, ``grouped_f``, ``compiled_f``): the layers with fused routes go last and
+     together, once every other layer's norms are known: chunk by chunk of examples, their
+     per-example gradients give their norms, the chunk's factors c_i and each layer's share
+     sum_i c_i g_i^W while still in cache: no second weight-gradient pass, no B x p x d tensor.
    A route may end in ``@k`` (e.g. ``bmm_f@2``): its chunks are split over k Python threads of one
    intra-op thread each (per-example work is independent across examples; torch's intra-op
    threads do not speed up 512 small matmuls).
@@ -49,7 +49,7 @@ per-example weight gradient is g_i^W = dz_i^T a_i ([p, d]) and the bias gradient
 ``prefer`` picks each layer's route: ``"measured"`` (the default) times every plausible route of
 the layer (estimated cost within ``PRUNE``x of the other rule's; compiled routes only on layers of
 >= ``COMPILE_MIN`` multiply-adds; with n > 1 threads each chunked route also as ``@n``) once, on
-its first batch, and keeps the fastest (the fused form for the layer where fusion saves most),
+its first batch, and keeps the fastest,
 cached per layer geometry and thread count for the process: a one-off of well under a second for
 the MNIST CNNs, plus a few seconds of torch.compile. ``BookKeeper.routes`` says which route each
 layer took; ``routes=`` / :meth:`BookKeeper.pin` fix them (``DPSGDTrainer`` checkpoints them, so a
@@ -166,6 +166,7 @@ class _Layer:
         self.p = dz.shape[1] if self.conv else dz.shape[-1]
         self.d = m.weight[0].numel()
         self.t = (dz.shape[2] * dz.shape[3] if self.conv else dz[0].numel() // self.p) * k   # positions per example
+        self.n = chunk_size(self.p, self.d, self.t)      # examples per chunk (a fused group sets one for all)
         self._pv = None
 
     # ---------------------------------------------------------------- per-example gradients
@@ -241,10 +242,10 @@ class _Layer:
     # ---------------------------------------------------------------- norms
     @property
     def chunk(self) -> int:
-        return chunk_size(self.p, self.d, self.t)
+        return self.n
 
     def ranges(self) -> list[tuple[int, int]]:
-        n = self.chunk
+        n = self.n
         return [(i, min(self.b, i + n)) for i in range(0, self.b, n)]
 
     def norms(self, route: str, workers: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -449,6 +450,48 @@ def _compile_failed(err: Exception) -> None:
     warnings.warn(f"clipping: torch.compile failed ({_COMPILE_ERROR}); the compiled routes run eagerly (bmm)")
 
 
+def _fused_group(lays: list[_Layer], routes: list[str], rest: torch.Tensor, max_grad_norm: float,
+                 workers: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The layers with fused routes, last and together (Alg. 1's clip and sum without a second
+    weight-gradient pass and without keeping per-example gradients): chunk by chunk of examples,
+    every layer's per-example gradients and squared norms, the chunk's factors
+    c_i = min(1, C / (sqrt(rest_i + sum of the layers' s_i) + 1e-6)) (``rest``: every other
+    parameter's squared norm) and each layer's share sum_i c_i g_i, while the gradients are in
+    cache. Returns (the total squared norms [b], rest included: the ones the factors used; the
+    layers' clipped sums). One layer: its own :meth:`_Layer.fused` (a single compiled call per
+    chunk for ``compiled_f``)."""
+    if len(lays) == 1:
+        s, w = lays[0].fused(routes[0], rest, max_grad_norm, workers)
+        return rest + s, [w]
+    b = lays[0].b
+    n = min(lay.n for lay in lays)
+    for lay, route in zip(lays, routes):
+        lay.n = n                                          # one grid of chunks for all of them
+        if lay.conv and not route.startswith("grouped") and lay._pv is None:
+            lay._pv = _patches(lay.a, lay.m)
+    sq = torch.empty(b, dtype=rest.dtype, device=rest.device)
+
+    def part(ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+        ws = [torch.zeros(lay.p * lay.d, dtype=rest.dtype, device=rest.device) for lay in lays]
+        for i, e in ranges:
+            grads, total = [], rest[i:e].clone()
+            for lay, route in zip(lays, routes):
+                g, s = lay.chunk_grads(route, i, e)
+                grads.append(g)
+                total += s
+            sq[i:e] = total
+            c = (max_grad_norm / (total.clamp_min(0).sqrt() + 1e-6)).clamp(max=1.0)
+            for w, g in zip(ws, grads):
+                w.addmv_(g.t(), c)
+        return ws
+    parts = _split([(i, min(b, i + n)) for i in range(0, b, n)], workers, part)
+    sums = parts[0]
+    for other in parts[1:]:
+        for w, o in zip(sums, other):
+            w += o
+    return sq, [w.reshape(lay.shape) for w, lay in zip(sums, lays)]
+
+
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
@@ -501,7 +544,7 @@ class BookKeeper:
     ``prefer``: "measured" (default), "mixed" or a route of :data:`ROUTES` (module docstring);
     ``routes``: {layer name in ``model.named_modules()``: route} pinning some layers' routes.
     After a step, ``routes`` holds the route each convolution / multi-position linear layer took
-    (at most one fused route: the layer whose sum was taken chunk by chunk), and ``timings`` the
+    (the fused ones: the layers whose sums were taken chunk by chunk, together), and ``timings`` the
     seconds per route measured for this BookKeeper's layers."""
 
     def __init__(self, model: nn.Module, prefer: str = "measured", rows_per_example: int = 1,
@@ -552,9 +595,8 @@ class BookKeeper:
 
     # ------------------------------------------------------------------ routes
     def _plan(self, lays: dict[nn.Module, _Layer]) -> dict[nn.Module, str]:
-        """Each routed layer's route; at most one fused (several asking for one: by measurement the
-        layer whose fusion saves the most, otherwise the last; the others take their unfused form)."""
-        plan, saving = {}, {}
+        """Each routed layer's route: pinned, the fastest measured, or ``prefer`` resolved."""
+        plan = {}
         for m, lay in lays.items():
             name = self._names[m]
             if name in self._pinned:
@@ -565,19 +607,8 @@ class BookKeeper:
                     _MEASURED[key] = self.timings[name] = lay.measure()
                 times = {r: s for r, s in _MEASURED[key].items() if parse_route(r)[0] in lay.candidates()}
                 plan[m] = min(times, key=times.get)
-                if _is_fused(plan[m]):
-                    rest = {r: s for r, s in times.items() if not _is_fused(r)}
-                    saving[m] = min(rest.values()) - times[plan[m]]
-                    plan[m] = (plan[m], min(rest, key=rest.get))
             else:
                 plan[m] = lay.resolve(self.prefer)
-        fused = [m for m, r in plan.items() if _is_fused(r[0] if isinstance(r, tuple) else r)]
-        keep = max(fused, key=lambda m: saving.get(m, 0.0)) if saving else (fused[-1] if fused else None)
-        for m, r in plan.items():
-            if isinstance(r, tuple):
-                plan[m] = r[0] if m is keep else r[1]
-            elif _is_fused(r) and m is not keep:
-                plan[m] = lays[m].resolve(_unfused(r))
         return plan
 
     # ------------------------------------------------------------------ per layer
@@ -679,26 +710,28 @@ class BookKeeper:
 
     def clipped_sum(self, loss_sum: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
         """Set ``p.grad`` = sum_i min(1, C / (||g_i|| + 1e-6)) g_i for every trainable parameter;
-        returns the per-example norms ||g_i||. The layer with a fused route goes last: its sum is
-        taken chunk by chunk with the factors of the chunk's examples."""
+        returns the per-example norms ||g_i||. The layers with fused routes go last, together
+        (:func:`_fused_group`): their sums are taken chunk by chunk with the chunk's factors."""
         items, plan = self._backward(loss_sum)
-        sq, closures, last = None, [], None
+        sq, closures, fused = None, [], []
         for m, a, dz in items:
             if m in plan and _is_fused(plan[m]):
-                last = (m, a, dz)
+                fused.append((m, a, dz))
                 continue
             s, clip = self._per_layer(m, a, dz, plan.get(m))
             sq = s if sq is None else sq + s
             closures.append((m, clip))
-        if last is not None:
-            m, a, dz = last
-            lay = _Layer(m, a, dz, self.rows_per_example)
-            gb, s_bias = self._bias(m, dz, lay.b, lay.conv)
-            rest = s_bias if sq is None else sq + s_bias
-            route, workers = parse_route(plan[m])
-            s_w, w = lay.fused(route, rest, max_grad_norm, workers)
-            sq = rest + s_w
-            closures.append((m, lambda c, w=w, gb=gb: (w, None if gb is None else c @ gb)))
+        if fused:
+            lays, biases = [], []
+            for m, a, dz in fused:
+                lays.append(_Layer(m, a, dz, self.rows_per_example))
+                gb, s_bias = self._bias(m, dz, lays[-1].b, lays[-1].conv)
+                sq = s_bias if sq is None else sq + s_bias
+                biases.append(gb)
+            routes = [parse_route(plan[m]) for m, _, _ in fused]
+            sq, sums = _fused_group(lays, [r for r, _ in routes], sq, max_grad_norm, max(w for _, w in routes))
+            for (m, _, _), w, gb in zip(fused, sums, biases):
+                closures.append((m, lambda c, w=w, gb=gb: (w, None if gb is None else c @ gb)))
         norms = sq.clamp_min(0).sqrt()
         c = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
         for m, clip in closures:

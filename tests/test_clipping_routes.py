@@ -1,7 +1,8 @@
 """The routes of book-keeping clipping (dpmech.clipping, issue 26 "Speed"): every route's
 per-example norms and clipped sum against the per-example reference of torch.func in float64
-(bit-close), in chunks that do not divide the batch, with two rows per example, the fused route
-(the last layer's sum taken chunk by chunk), the measured choice, pinned routes and their errors."""
+(bit-close), in chunks that do not divide the batch, with two rows per example, the fused routes
+(the sums taken chunk by chunk, after every other layer's norms), the measured choice, pinned
+routes and their errors."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-import dpmech.clipping as clipping
-from dpmech.clipping import FUSED, ROUTES, BookKeeper
+from dpmech import clipping
+from dpmech.clipping import ROUTES, BookKeeper
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -116,24 +117,24 @@ def test_every_route_equals_the_per_example_reference_in_float64(route, k, small
         expect = {"0": conv, "2": conv, "5": want}
         if k == 2:
             expect["8"] = want       # two rows per example: the head has 2 positions, no longer rank one
-        if route.split("@")[0] in FUSED:   # one layer fused, the last one (none in the closure API); others unfused
-            last = list(expect)[-1]
-            expect = {n: r if (n == last and not per_norms) else r.replace("_f", "") for n, r in expect.items()}
+        if per_norms:                 # the closure API takes any factors: the unfused forms
+            expect = {n: r.replace("_f", "") for n, r in expect.items()}
         assert bk.routes == expect
 
 
-def test_a_wrong_factor_in_the_fused_sum_is_detected(small_chunks, monkeypatch):
-    """Negative control of the fused route: a fused sum that forgets the other layers' norms in its
-    factors (c from its own layer only) gives a different clipped sum."""
+@pytest.mark.parametrize("pins", [{"5": "bmm_f"}, {"0": "grouped_f", "5": "bmm_f"}])
+def test_a_wrong_factor_in_the_fused_sum_is_detected(pins, small_chunks, monkeypatch):
+    """Negative control of the fused routes (one fused layer; two, as a group): a fused sum whose
+    factors forget the other layers' norms gives a different clipped sum."""
     x, y = data(7)
     ref = per_row_grads(model64(), x, y)
     c = clip_bound(ref.norm(dim=1))
-    _, good, _ = run_bk(model64(), x, y, c, prefer="bmm_f")
-    real = clipping._Layer.fused
-    monkeypatch.setattr(clipping._Layer, "fused", lambda self, r, rest, cn, w=1: real(self, r, rest * 0, cn, w))
-    _, bad, _ = run_bk(model64(), x, y, c, prefer="bmm_f")
     manual = (ref * (c / (ref.norm(dim=1) + 1e-6)).clamp(max=1.0)[:, None]).sum(0)
-    assert torch.allclose(good, manual, rtol=1e-10)
+    _, good, bk = run_bk(model64(), x, y, c, prefer="bmm", routes=pins)
+    assert {n: bk.routes[n] for n in pins} == pins and torch.allclose(good, manual, rtol=1e-10)
+    real = clipping._fused_group
+    monkeypatch.setattr(clipping, "_fused_group", lambda lays, r, rest, cn, w=1: real(lays, r, rest * 0, cn, w))
+    _, bad, _ = run_bk(model64(), x, y, c, prefer="bmm", routes=pins)
     assert not torch.allclose(bad, manual, rtol=1e-3)
 
 
@@ -149,10 +150,8 @@ def test_measured_choice_times_every_route_once_and_is_exact(fresh_measurements)
     assert set(bk.timings["0"]) == {r for r in ROUTES if "compiled" not in r}
     assert set(bk.timings["5"]) == {r for r in ROUTES if "grouped" not in r and "compiled" not in r}
     assert all(t > 0 for times in bk.timings.values() for t in times.values())
-    assert len([r for r in bk.routes.values() if r in FUSED]) <= 1
-    for name, r in bk.routes.items():                          # the fastest measured, or its unfused form
-        times = bk.timings[name]
-        assert r == min(times, key=times.get) or r == min((q for q in times if q not in FUSED), key=times.get)
+    for name, r in bk.routes.items():                          # the fastest measured
+        assert r == min(bk.timings[name], key=bk.timings[name].get)
     # the timing is one-off: a second BookKeeper on the same shapes measures nothing
     _, again, bk2 = run_bk(model64(), x, y, c)
     assert bk2.timings == {} and bk2.routes == bk.routes and torch.allclose(again, manual, rtol=1e-10)
@@ -228,7 +227,7 @@ def test_torch_compile_failure_falls_back_to_the_eager_route(small_chunks, monke
         _, got, _ = run_bk(model64(), x, y, c, prefer="compiled_f")
     assert torch.allclose(got, manual, rtol=1e-10)
     _, _, bk = run_bk(model64(), x, y, c, prefer="compiled_f")    # after the failure: resolved to bmm
-    assert bk.routes["0"] == "bmm" and bk.routes["5"] == "bmm_f"
+    assert bk.routes == {"0": "bmm_f", "2": "bmm_f", "5": "bmm_f"}
 
 
 def test_a_checkpoint_carries_the_routes_and_a_restored_trainer_pins_them():
