@@ -43,7 +43,7 @@ ROUTES = {
     "ghost": "ghost",          # ghost norms everywhere (chunked), sums by re-weighted weight gradients
     "inst": "inst",            # whole-batch instantiation everywhere, sums from the kept gradients
     "bmm": "bmm",              # chunked instantiation from the strided patch view, sums from kept
-    "bmm_f": "bmm_f",          # ... the last layer's sum fused into its chunk loop
+    "bmm_f": "bmm_f",          # ... the sums fused into the chunk loop (after the other layers' norms)
     "grouped": "grouped",      # per-example gradients of a chunk by one grouped convolution, kept
     "grouped_f": "grouped_f",  # ... fused
     "compiled": "compiled",    # bmm with the chunk's patch gather, matmul and norm by torch.compile, kept
@@ -58,12 +58,12 @@ DESCRIPTION = {
     "ghost": "ghost norms (Gram matrices) on every layer, chunked; sums by re-weighted weight gradients",
     "inst": "per-example gradients of the whole batch at once (full patch copy), sums from them",
     "bmm": "per-example gradients chunk by chunk (patches copied per chunk), kept for the sums",
-    "bmm_f": "bmm, the last routed layer's sum taken chunk by chunk (never kept)",
+    "bmm_f": "bmm, every layer's sum taken chunk by chunk once all norms of the chunk are known (nothing kept)",
     "grouped": "per-example conv gradients as one grouped convolution per chunk (no patch copy), kept",
-    "grouped_f": "grouped, the last routed layer's sum taken chunk by chunk",
+    "grouped_f": "grouped, the sums fused the same way",
     "compiled": "bmm with each full chunk's patch gather + matmul + norm compiled by torch.compile (inductor, C++)",
     "compiled_w": "compiled norms only (the gradients stay in the kernel); sums by re-weighted weight gradients",
-    "compiled_f": "compiled, the last routed layer's norms, factors and sum in one compiled call per chunk",
+    "compiled_f": "compiled, the sums fused (a single fused layer: norms, factors and share in one compiled call per chunk)",
     "bmm_f@2": "bmm_f with the chunks split over 2 Python threads of 1 intra-op thread each",
     "grouped_f@2": "grouped_f with the chunks split over 2 threads",
     "measured": "**default**: per layer the fastest of all routes by a one-off timing at the first step",
@@ -173,7 +173,7 @@ def write_speed(speed: dict, threads: int, docs: bool) -> Path:
     return path
 
 
-def measure(models=MODELS, routes=None, rounds: int = 30, batch: int = 512) -> dict:
+def measure(models=MODELS, routes=None, rounds: int = 50, batch: int = 512) -> dict:
     routes = list(routes or (list(ROUTES) + ["opacus_ghost"]))
     if DEFAULT not in routes:
         routes.append(DEFAULT)
@@ -188,7 +188,7 @@ def measure(models=MODELS, routes=None, rounds: int = 30, batch: int = 512) -> d
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=30, help="timed rounds per model (3 warm-up rounds more)")
+    ap.add_argument("--rounds", type=int, default=50, help="timed rounds per model (3 warm-up rounds more)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--routes", nargs="+", default=None, choices=list(ROUTES) + ["opacus_ghost"])
     ap.add_argument("--no-write", action="store_true", help="print only (no JSON, no docs)")
