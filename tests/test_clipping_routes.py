@@ -112,6 +112,7 @@ def test_every_route_equals_the_per_example_reference_in_float64(route, k, small
         assert torch.allclose(got, manual, rtol=1e-10, atol=1e-14)
         assert not torch.allclose(got, ref.sum(0), rtol=1e-3)          # negative control: unclipped sum
         # linear layers have no grouped or compiled route; the compiled one needs one row per example
+        # (and torch.compile: where it fails, a warning and bmm)
         want = route.replace("grouped", "bmm").replace("compiled", "bmm")
         conv = route if k == 1 else route.replace("compiled", "bmm")
         expect = {"0": conv, "2": conv, "5": want}
@@ -119,7 +120,8 @@ def test_every_route_equals_the_per_example_reference_in_float64(route, k, small
             expect["8"] = want       # two rows per example: the head has 2 positions, no longer rank one
         if per_norms:                 # the closure API takes any factors: the unfused forms
             expect = {n: r.replace("_f", "") for n, r in expect.items()}
-        assert bk.routes == expect
+        fallback = {n: r.replace("compiled", "bmm") for n, r in expect.items()}
+        assert bk.routes == expect or (clipping._COMPILE_ERROR and bk.routes == fallback)
 
 
 @pytest.mark.parametrize("pins", [{"5": "bmm_f"}, {"0": "grouped_f", "5": "bmm_f"}])
