@@ -61,11 +61,13 @@ def run_sweep(row: str) -> None:
 
 
 def _parent_run(client, spec) -> "mlflow.entities.Run":  # noqa: F821
-    """The latest finished parent run of ``spec``'s sweep in the store (the one with a released trial)."""
+    """The latest finished parent run of ``spec``'s sweep in the store (the one with a released trial).
+    Both specs share one experiment; a parent run is named after its spec (``<name>-<date>-<id>``)."""
     exp = client.get_experiment_by_name(spec.mlflow.experiment)
     if exp is None:
         raise SystemExit(f"no experiment {spec.mlflow.experiment!r} in {tracking_uri()}: run the sweep first")
-    runs = client.search_runs([exp.experiment_id], filter_string="tags.`dpsweep.released_run_id` != ''",
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.`dpsweep.released_run_id` != '' and "
+                              f"attributes.run_name LIKE '{spec.name}-%'",
                               order_by=["attributes.start_time DESC"])
     runs = [r for r in runs if r.info.status == "FINISHED" and "tuning_epsilon" in r.data.metrics]
     if not runs:
@@ -114,7 +116,7 @@ def collect(row: str) -> dict:
     import yaml
 
     from sweeps.spec import validate_spec
-    from sweeps.tuning import _tuning_epsilon_at, privacy_configs
+    from sweeps.tuning import end_to_end_epsilon
 
     spec = validate_spec(yaml.safe_load(SPECS[row].read_text()))
     client = mlflow.tracking.MlflowClient(tracking_uri())
@@ -136,7 +138,7 @@ def collect(row: str) -> dict:
     if len(ran) != 1:
         raise SystemExit(f"{row}: the candidates ran at different per-trial epsilons {sorted(ran)}")
     trial_epsilon = ran.pop()
-    total = _tuning_epsilon_at(spec, privacy_configs(spec), trial_epsilon, m["tuning_delta"])
+    total = end_to_end_epsilon(spec, trial_epsilon)
     summary = json.loads((RESULTS / f"{NAME}.json").read_text())
     untuned = summary.get("scatternet", {}).get(UNTUNED_ROW[row], {}).get("mean")
     out = {
