@@ -143,20 +143,11 @@ def tuning_summary(spec: "SweepSpec", k: int) -> dict[str, float]:
     epsilon at ``tuning_privacy.delta`` (default: the largest per-trial delta in the space)."""
     from dpmech.accounting import rdp_epsilon
     from dpmech.tuning import tuning_epsilon, worst_case_rdp
-    from trainables.registry import get_trainable
 
     tp = spec.tuning_privacy
-    entry = get_trainable(spec.trainables[0].name)
     configs = privacy_configs(spec)
-    schema = entry.config_model
-    events, deltas = [], []
-    for c in configs:
-        cfg = schema(**{k_: v for k_, v in c.items() if k_ != "trainable"})
-        events.append(entry.privacy_event_fn(cfg))
-        if "delta" in c:
-            deltas.append(float(c["delta"]))
-    delta = tp.delta if tp.delta is not None else (max(deltas) if deltas else 1e-5)
-    worst = worst_case_rdp(events)
+    delta = tuning_delta(spec, configs)
+    worst = worst_case_rdp(_trial_events(spec, configs))
     return {
         "tuning_trials": float(k),
         "tuning_mean": float(tp.mean),
@@ -169,37 +160,57 @@ def tuning_summary(spec: "SweepSpec", k: int) -> dict[str, float]:
     }
 
 
+def tuning_delta(spec: "SweepSpec", configs: list[dict]) -> float:
+    """delta of the end-to-end guarantee: ``tuning_privacy.delta``, else the largest per-trial delta."""
+    deltas = [float(c["delta"]) for c in configs if "delta" in c]
+    return spec.tuning_privacy.delta if spec.tuning_privacy.delta is not None else (max(deltas) if deltas else 1e-5)
+
+
+def _trial_events(spec: "SweepSpec", configs: list[dict], epsilon: float | None = None) -> list:
+    """The per-trial privacy event of each configuration (with its epsilon replaced by ``epsilon``)."""
+    from trainables.registry import get_trainable
+
+    entry = get_trainable(spec.trainables[0].name)
+    override = {} if epsilon is None else {"epsilon": epsilon}
+    return [entry.privacy_event_fn(entry.config_model(**{**{k: v for k, v in c.items() if k != "trainable"},
+                                                         **override}))
+            for c in configs]
+
+
+def end_to_end_epsilon(spec: "SweepSpec", trial_epsilon: float) -> float:
+    """End-to-end epsilon of the spec's tuning when every trial runs at ``trial_epsilon`` (e.g. the
+    epsilon its trials logged), the worst case over the search space's privacy configurations."""
+    configs = privacy_configs(spec)
+    return _tuning_epsilon_at(spec, configs, trial_epsilon, tuning_delta(spec, configs))
+
+
 def _tuning_epsilon_at(spec: "SweepSpec", configs: list[dict], trial_epsilon: float, delta: float) -> float:
     """End-to-end epsilon when every configuration of ``configs`` targets ``trial_epsilon``."""
     from dpmech.tuning import tuning_epsilon, worst_case_rdp
-    from trainables.registry import get_trainable
 
     tp = spec.tuning_privacy
-    entry = get_trainable(spec.trainables[0].name)
-    events = [entry.privacy_event_fn(entry.config_model(**{**{k: v for k, v in c.items() if k != "trainable"},
-                                                              "epsilon": trial_epsilon}))
-              for c in configs]
-    return tuning_epsilon(worst_case_rdp(events), delta, tp.distribution, tp.mean, tp.shape)
+    worst = worst_case_rdp(_trial_events(spec, configs, trial_epsilon))
+    return tuning_epsilon(worst, delta, tp.distribution, tp.mean, tp.shape)
 
 
 _CALIBRATED: dict[str, float] = {}   # one calibration per spec and process (validation runs it again on resume)
 
 
 def _solve_trial_epsilon(spec: "SweepSpec", configs: list[dict], delta: float, rtol: float) -> float:
-    """Brent's method on log e for end-to-end(e) = target, then the bracket's lower end: the
-    returned e is within ``rtol`` of the root and its end-to-end epsilon is <= the target."""
+    """Brent's method on log e for end-to-end(e) = target, then small steps down until the
+    end-to-end epsilon is <= the target: the returned e is within ``rtol`` of the root."""
     from scipy.optimize import brentq
 
     target = spec.tuning_privacy.target_epsilon
     hi = target                          # releasing the best of K >= 1 trials costs at least one trial
     gap = lambda log_e: _tuning_epsilon_at(spec, configs, math.exp(log_e), delta) - target  # noqa: E731
-    lo = target / 8                      # usual: tuning costs less than 8x (one evaluation fewer per octave)
+    lo = target / 8                      # usual: tuning costs less than 8x (a narrower bracket, fewer steps)
     if gap(math.log(lo)) > 0:
         lo = 1e-4 * target
-    if lo < target / 8 and gap(math.log(lo)) > 0:
-        raise SpecError(f"tuning_privacy.target_epsilon: {target:g} is below what E[K] = "
-                        f"{spec.tuning_privacy.mean:g} trials cost even at a per-trial epsilon of {lo:.2g}; raise "
-                        "the target or lower tuning_privacy.mean")
+        if gap(math.log(lo)) > 0:
+            raise SpecError(f"tuning_privacy.target_epsilon: {target:g} is below what E[K] = "
+                            f"{spec.tuning_privacy.mean:g} trials cost even at a per-trial epsilon of {lo:.2g}; "
+                            "raise the target or lower tuning_privacy.mean")
     if gap(math.log(hi)) <= 0:
         return hi
     e = math.exp(brentq(gap, math.log(lo), math.log(hi), xtol=rtol / 20))
@@ -226,17 +237,16 @@ def calibrate_to_target(spec: "SweepSpec", rtol: float = 1e-3) -> float:
         raise SpecError("trainables[0].search.epsilon: with tuning_privacy.target_epsilon the per-trial epsilon is "
                         "calibrated from the target; leave it unset")
     configs = privacy_configs(spec)
-    deltas = [float(c["delta"]) for c in configs if "delta" in c]
-    delta = tp.delta if tp.delta is not None else (max(deltas) if deltas else 1e-5)
+    delta = tuning_delta(spec, configs)
     key = json.dumps([t.name, configs, tp.model_dump(), delta, rtol], sort_keys=True, default=str)
     if key not in _CALIBRATED:
         _CALIBRATED[key] = _solve_trial_epsilon(spec, configs, delta, rtol)
-    lo = _CALIBRATED[key]
-    t.search["epsilon"] = lo
+    e = _CALIBRATED[key]
+    t.search["epsilon"] = e
     from sweeps.spec import _build_spaces
 
     spec._spaces = _build_spaces(spec)
-    return lo
+    return e
 
 
 def best_row(rows: list[dict], metric: str, mode: str) -> dict | None:
