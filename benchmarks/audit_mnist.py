@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.audit_block import AuditBlock  # noqa: E402
 from benchmarks.common import RESULTS, claimed_unit, environment, log, write_result  # noqa: E402
-from dpmech.audit import epsilon_lower_bound  # noqa: E402
-from dpmech.audit_fdp import fdp_epsilon_lower_bound  # noqa: E402
-from dpmech.audit_gdp import gdp_epsilon  # noqa: E402
+from dpmech.privacy.audit.one_run import epsilon_lower_bound  # noqa: E402
+from dpmech.privacy.audit.fdp import fdp_epsilon_lower_bound  # noqa: E402
+from dpmech.privacy.audit.gdp import gdp_epsilon  # noqa: E402
 
 DELTA = 1e-5
 BETA = 0.05
@@ -191,9 +191,9 @@ class CanarySets:
 def whitebox_run(name: str, seed: int, epochs: int | None = None, train_size: int | None = None) -> dict:
     """One full training of recipe ``name`` with both canary sets; the audits at 95%."""
     from benchmarks.dpsgd_mnist_full import dpsgd_config
-    from dpmech.audit_whitebox import WhiteBoxCanaries
-    from dpmech.data import load_splits
-    from dpmech.dpsgd import DPSGDTrainer, build_dpsgd_model
+    from dpmech.privacy.audit.whitebox import WhiteBoxCanaries
+    from dpmech.datasets.splits import load_splits
+    from dpmech.dpsgd.trainer import DPSGDTrainer, build_dpsgd_model
 
     rec = recipe(name)
     if epochs is not None:
@@ -237,8 +237,8 @@ def plain_run(name: str, seed: int) -> tuple[dict, dict]:
     """The recipe ``name`` trained exactly as :func:`whitebox_run` but without canaries or audit
     block: the accuracy the canaries are compared with (units ``plain_<name>``)."""
     from benchmarks.dpsgd_mnist_full import dpsgd_config
-    from dpmech.data import load_splits
-    from dpmech.dpsgd import DPSGDTrainer, build_dpsgd_model
+    from dpmech.datasets.splits import load_splits
+    from dpmech.dpsgd.trainer import DPSGDTrainer, build_dpsgd_model
 
     rec = recipe(name)
     train, test = load_splits("mnist", train_size=None, test_size=None, seed=0)
@@ -325,7 +325,7 @@ def bug_zoo_section(runs: int = 40) -> dict:
                       "lb_over_claim_mean": statistics.fmean(ratios), "lb_over_claim_max": max(ratios),
                       "seeds": f"1000-{999 + runs}"}
     out["auditor"] = {"canaries": zoo.M, "guess_fraction": zoo.GUESS_FRACTION, "statistics": list(zoo.STATISTICS),
-                      "bound": "dpmech.audit_fdp.eps_delta_lower_bound at beta / 3 per statistic (rigorous)",
+                      "bound": "dpmech.privacy.audit.fdp.eps_delta_lower_bound at beta / 3 per statistic (rigorous)",
                       "beta": zoo.BETA, "delta": zoo.DELTA, "settings": zoo.SETTINGS}
     return out
 
@@ -337,8 +337,8 @@ def ceiling_section(draws: int = 3) -> dict:
     canary's projection is exactly b_t + N(0, sigma^2), nothing else lands on its coordinate.
     ``draws`` simulated runs per unit (mean and each): what the one-run audit can reach on our
     setting (Keinan et al.'s ceiling, measured), against which the trained runs are read."""
-    from dpmech.audit import run_estimators
-    from dpmech.dpsgd import plan
+    from dpmech.privacy.audit.estimators import run_estimators
+    from dpmech.dpsgd.trainer import plan
 
     from benchmarks.dpsgd_mnist_full import dpsgd_config
 

@@ -152,7 +152,7 @@ def main() -> None:
             raise SystemExit(f"--mechanisms: unknown {n!r}; known: {', '.join(MECHANISMS)}")
     epsilons = [float(e) for e in args.epsilons.split(",")]
 
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     train, test = load_splits("mnist", train_size=args.train_size, test_size=args.test, seed=0)

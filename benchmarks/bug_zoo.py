@@ -1,5 +1,5 @@
 """The bug zoo (issue 25, point 4): plausible DP-SGD implementation bugs, planted as test doubles
-(subclasses of :class:`dpmech.dpsgd.DPSGDTrainer`, never user options), and the one-run
+(subclasses of :class:`dpmech.dpsgd.trainer.DPSGDTrainer`, never user options), and the one-run
 white-box audit that must refute each (docs/audit.md, "The bug zoo").
 
 The auditor (:class:`ZooCanaries`, :func:`audit`) is the same for every engine, correct or
@@ -11,14 +11,14 @@ buggy, and fixed before any run:
   (the engine clips it to C; an engine that does not clip passes it through).
 * Three statistics of each canary's projections x_t (in units of C) on its coordinate, because
   some bugs show only in the per-step structure: ``llr`` (the engine's mixture log-likelihood
-  ratio summed over steps, :mod:`dpmech.audit_whitebox`), ``range`` (max_t x_t - min_t x_t: a
+  ratio summed over steps, :mod:`dpmech.privacy.audit.whitebox`), ``range`` (max_t x_t - min_t x_t: a
   noise draw reused across steps cancels in the differences, leaving the 0/1 pattern of the
   canary's sampling) and ``position`` (log of the mean over the K = steps-per-epoch positions k of
   exp(sum over epochs of (x_{e,k} - 1/2) / sigma^2): the likelihood ratio of "in the same batch
   position every epoch", the signature of fixed batches).
 * Guesses: the top and bottom ``GUESS_FRACTION`` / 2 of each statistic. Bound: Mahloujifar et
   al.'s recursion against the (epsilon, delta)-DP curve itself
-  (:func:`dpmech.audit_fdp.eps_delta_lower_bound`, rigorous, no assumption on the mechanism), at
+  (:func:`dpmech.privacy.audit.fdp.eps_delta_lower_bound`, rigorous, no assumption on the mechanism), at
   beta / 3 per statistic (Bonferroni), so the largest of the three is a 95% lower bound.
 * Refuted: that bound exceeds the engine's own claimed epsilon (its ledger, RDP) at delta.
 
@@ -37,10 +37,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from benchmarks.audit_block import AuditBlock
-from dpmech.audit import guess_counts, guesses
-from dpmech.audit_fdp import eps_delta_lower_bound
-from dpmech.audit_whitebox import WhiteBoxCanaries
-from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer
+from dpmech.privacy.audit.one_run import guess_counts, guesses
+from dpmech.privacy.audit.fdp import eps_delta_lower_bound
+from dpmech.privacy.audit.whitebox import WhiteBoxCanaries
+from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer
 
 DELTA = 1e-5
 BETA = 0.05

@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
 
     import ray
 
-    from dpmech.data import ensure_available
+    from dpmech.datasets.splits import ensure_available
     from tests.cluster_helpers import MlflowServer, start_cluster
 
     ensure_available("mnist")

@@ -41,9 +41,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, log, write_result  # noqa: E402
-from dpmech.attacks import attack  # noqa: E402
-from dpmech.data import load_splits  # noqa: E402
-from dpmech.dpal import DPALConfig, DPALTrainer, NonPrivateNet, certified_accuracy, verified_inference  # noqa: E402
+from dpmech.robustness.attacks import attack  # noqa: E402
+from dpmech.datasets.splits import load_splits  # noqa: E402
+from dpmech.dpal.config import DPALConfig  # noqa: E402
+from dpmech.dpal.trainer import DPALTrainer
+from dpmech.dpal.model import NonPrivateNet
+from dpmech.dpal.verify import certified_accuracy, verified_inference
 
 EVAL_ATTACKS = ("fgsm", "ifgsm", "mim", "pgd")          # pgd = MadryEtAl
 CONV_EPS = (0.2, 2.0)

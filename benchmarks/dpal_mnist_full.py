@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, environment, log, write_result  # noqa: E402
-from dpmech.data import load_splits  # noqa: E402
+from dpmech.datasets.splits import load_splits  # noqa: E402
 from dpmech.dpal.reference import ATTACKS, ReferenceTrainer  # noqa: E402
 
 LABEL = "reference protocol: not a DP guarantee, not a white-box attack, not a certificate"

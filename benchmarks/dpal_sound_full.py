@@ -60,7 +60,7 @@ KEYS = ("acc_clean_smoothed", "acc_pgd_0.2", "cert_l2_acc_0.5", "cert_linf_acc_0
 
 
 def sound_config(recipe: dict, seed: int, private: bool = True):
-    from dpmech.dpal_sound import DPALSoundConfig
+    from dpmech.dpal_sound.trainer import DPALSoundConfig
 
     keys = ("delta", "max_grad_norm", "batch_size", "epochs", "lr", "lr_schedule", "optimizer", "momentum",
             "smoothing_sigma", "xi", "mu_max", "attack_steps")
@@ -69,9 +69,9 @@ def sound_config(recipe: dict, seed: int, private: bool = True):
 
 
 def run_one(row: str, seed: int, ckpt_dir: Path) -> dict:
-    from dpmech.data import load_splits
-    from dpmech.dpal_sound import DPALSoundTrainer, evaluate
-    from dpmech.dpsgd import build_dpsgd_model
+    from dpmech.datasets.splits import load_splits
+    from dpmech.dpal_sound.trainer import DPALSoundTrainer, evaluate
+    from dpmech.dpsgd.trainer import build_dpsgd_model
 
     recipe = RECIPES[row]
     train, test = load_splits("mnist", train_size=None, test_size=None, seed=0)
@@ -153,9 +153,9 @@ def write_summary(cost: dict | None = None) -> Path:
 
 def measure_cost(steps: int, recipe: dict) -> dict:
     """Seconds per step of plain / dpsgd / adv / sound, interleaved, same batches and threads."""
-    from dpmech.data import load_splits
-    from dpmech.dpal_sound import DPALSoundTrainer
-    from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer, build_dpsgd_model
+    from dpmech.datasets.splits import load_splits
+    from dpmech.dpal_sound.trainer import DPALSoundTrainer
+    from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer, build_dpsgd_model
 
     train, _ = load_splits("mnist", train_size=None, test_size=100, seed=0)
     x, y = train.tensors

@@ -30,8 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, log, write_result  # noqa: E402
-from dpmech.data import load_held_out, load_splits  # noqa: E402
-from dpmech.dpgan import DPGANConfig, DPGANTrainer  # noqa: E402
+from dpmech.datasets.splits import load_held_out, load_splits  # noqa: E402
+from dpmech.dpgan.config import DPGANConfig  # noqa: E402
+from dpmech.dpgan.trainer import DPGANTrainer
 from dpmech.dpgan.evaluate import evaluate_samples  # noqa: E402
 
 EPSILONS = (None, 11.5, 5.76, 3.2, 0.72)

@@ -36,9 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, environment, log, merge_new, update_doc_blocks, write_result  # noqa: E402
-from dpmech.data import load_splits  # noqa: E402
-from dpmech.dp_merf import DPMERFConfig, DPMERFTrainer  # noqa: E402
-from dpmech.dpgan import DPGANConfig, DPGANTrainer  # noqa: E402
+from dpmech.datasets.splits import load_splits  # noqa: E402
+from dpmech.dp_merf.trainer import DPMERFConfig, DPMERFTrainer  # noqa: E402
+from dpmech.dpgan.config import DPGANConfig  # noqa: E402
+from dpmech.dpgan.trainer import DPGANTrainer
 from dpmech.dpgan.evaluate import evaluate_samples, predict, sample_grid  # noqa: E402
 
 NAME = "dpgan_mnist_full"

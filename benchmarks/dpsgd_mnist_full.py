@@ -11,7 +11,7 @@ epsilon_pld, ...}; the ``scatternet_eps_{1,2,3}`` rows (issue 26: T&B's ScatterN
 on cached ScatterNet features, docs/dpsgd.md "ScatterNet features") are also summarised as
 ``scatternet.eps_<k>`` = {mean, std, seeds, epsilon_rdp, epsilon_pld}. The ``audit_eps_3`` row
 repeats the epsilon-3 recipe on 59,000 images (``--audit-train-size``) with 1,000 canaries (the held-out remainder of the training split) and reports the one-run audit's
-``epsilon_lower_bound`` (dpmech.audit) against the claim.
+``epsilon_lower_bound`` (dpmech.privacy.audit.one_run) against the claim.
 
 Speed (``--speed``, or ``--speed-only``): ``benchmarks/dpsgd_speed.py`` (its own one-line command
 also rewrites docs/dpsgd.md's routes table): plain (non-private) and DP-SGD steps on ``tb_cnn`` and
@@ -75,15 +75,15 @@ TARGETS = {"eps_3": 0.980, "eps_3_unit": 0.980, "eps_2": 0.973, "eps_1": 0.955,
 
 
 def dpsgd_config(recipe: dict, seed: int, clipping: str):
-    from dpmech.dpsgd import DPSGDConfig
+    from dpmech.dpsgd.trainer import DPSGDConfig
 
     keys = ("epsilon", "delta", "max_grad_norm", "batch_size", "epochs", "lr", "lr_schedule", "optimizer", "momentum")
     return DPSGDConfig(**{k: recipe[k] for k in keys}, clipping=clipping, seed=seed)
 
 
 def run_one(row: str, seed: int, clipping: str, device: torch.device) -> dict:
-    from dpmech.data import load_held_out, load_splits
-    from dpmech.dpsgd import DPSGDTrainer, build_dpsgd_model
+    from dpmech.datasets.splits import load_held_out, load_splits
+    from dpmech.dpsgd.trainer import DPSGDTrainer, build_dpsgd_model
 
     audit = row == AUDIT_ROW
     recipe = RECIPES["eps_3" if audit else row]
@@ -93,7 +93,7 @@ def run_one(row: str, seed: int, clipping: str, device: torch.device) -> dict:
     xt, yt = test.tensors
     canaries = None
     if audit:
-        from dpmech.audit import make_canaries
+        from dpmech.privacy.audit.one_run import make_canaries
 
         pool = load_held_out("mnist", train_size=train_size, test_size=None, seed=0)
         canaries = make_canaries(*pool.tensors, AUDIT["canaries"], 10, seed)
@@ -134,7 +134,7 @@ def run_one(row: str, seed: int, clipping: str, device: torch.device) -> dict:
                               for s in range(0, len(images), 1000)])
         out["acc_clean_end_to_end"] = float((pred == yt.cpu()).double().mean())
     if audit:
-        from dpmech.audit import audit as run_audit, loss_scores
+        from dpmech.privacy.audit.one_run import audit as run_audit, loss_scores
 
         scores = loss_scores(trainer.model, canaries.x.to(device), canaries.y.to(device))
         out["audit"] = run_audit(scores, canaries.included, guess_fraction=0.2, beta=0.05, delta=recipe["delta"])
@@ -147,9 +147,9 @@ def run_one(row: str, seed: int, clipping: str, device: torch.device) -> dict:
 
 def scatternet_inputs(recipe: dict, seed: int, x: torch.Tensor, xt: torch.Tensor, device: torch.device):
     """(classifier, train features, test features, ScatterNet module) of a ``features: scatternet``
-    recipe: T&B's features (cached on disk, dpmech.scatternet) and the classifier on them."""
-    from dpmech.dp_models import build_feature_model
-    from dpmech.scatternet import ScatterNet, scatter_features
+    recipe: T&B's features (cached on disk, dpmech.networks.scatternet) and the classifier on them."""
+    from dpmech.networks.dpsgd_models import build_feature_model
+    from dpmech.networks.scatternet import ScatterNet, scatter_features
 
     rng = recipe["input_range"]
     f = scatter_features(x, input_range=rng, dataset="mnist", device=device)
@@ -215,7 +215,7 @@ def measure_speed(models: list[str], modes: list[str], steps: int, batch: int, d
 
 
 def main(argv=None) -> dict:
-    from dpmech.dpsgd import CLIPPING_MODES, DPSGDConfig
+    from dpmech.dpsgd.trainer import CLIPPING_MODES, DPSGDConfig
 
     default_mode = DPSGDConfig.clipping
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -1,5 +1,5 @@
 """DP-SGD step speed against a plain step (issue 26, "Speed"): book-keeping clipping by every route
-of :mod:`dpmech.clipping`, Opacus's ghost clipping, and the plain (non-private) step, side by side.
+of :mod:`dpmech.privacy.clipping`, Opacus's ghost clipping, and the plain (non-private) step, side by side.
 
 Per model (``tb_cnn``, ``pixeldp_cnn``): fixed batches of 512 from a 10,000-image MNIST subset, the
 same threads; every round draws one batch and runs one step of every trainer on it, in an order
@@ -72,8 +72,8 @@ DESCRIPTION = {
 
 
 def make_trainers(name: str, x: torch.Tensor, y: torch.Tensor, batch: int, routes: list[str]) -> dict:
-    from dpmech.clipping import BookKeeper
-    from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer, build_dpsgd_model
+    from dpmech.privacy.clipping import BookKeeper
+    from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer, build_dpsgd_model
 
     def dp(clipping: str):
         return DPSGDTrainer(build_dpsgd_model("mnist", 0, name), x, y, DPSGDConfig(
@@ -96,7 +96,7 @@ def make_trainers(name: str, x: torch.Tensor, y: torch.Tensor, batch: int, route
 
 def measure_model(name: str, routes: list[str], rounds: int, batch: int, warmup: int = 3) -> dict:
     """Step seconds of the plain step and every route, interleaved (shuffled order) per round."""
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
 
     train, _ = load_splits("mnist", train_size=10000, test_size=100, seed=0)
     x, y = train.tensors

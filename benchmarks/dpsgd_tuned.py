@@ -84,10 +84,10 @@ def _classifier_state(state: dict) -> dict:
 
 def held_out_accuracy(config: dict, weights: Path) -> tuple[float, int]:
     """Accuracy of the released model (scattering + classifier) on the test images the sweep's
-    ``test_size`` subset left out (dpmech.data.load_held_out: the test split's complement)."""
-    from dpmech.data import load_held_out, num_classes
-    from dpmech.dp_models import build_feature_model
-    from dpmech.scatternet import feature_shape, scatter_features
+    ``test_size`` subset left out (dpmech.datasets.splits.load_held_out: the test split's complement)."""
+    from dpmech.datasets.splits import load_held_out, num_classes
+    from dpmech.networks.dpsgd_models import build_feature_model
+    from dpmech.networks.scatternet import feature_shape, scatter_features
 
     held = load_held_out(config["dataset"], train_size=None, test_size=int(config["test_size"]),
                          seed=int(config["data_seed"]))

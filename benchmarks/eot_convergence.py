@@ -21,8 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from benchmarks.common import environment, log, write_result
-from dpmech.attacks import pgd
-from dpmech.data import load_splits
+from dpmech.robustness.attacks import pgd
+from dpmech.datasets.splits import load_splits
 
 
 class NoisyCNN(nn.Module):

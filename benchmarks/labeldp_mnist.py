@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, log, write_result  # noqa: E402
-from dpmech.data import load_splits  # noqa: E402
-from dpmech.label_dp import LabelDPConfig, LabelDPTrainer  # noqa: E402
+from dpmech.datasets.splits import load_splits  # noqa: E402
+from dpmech.label_dp.trainer import LabelDPConfig, LabelDPTrainer  # noqa: E402
 
 FULL_EPSILONS = (0.01, 0.0316227766, 0.1, 0.316227766, 1.0, 3.16227766, 10.0, 31.6227766, 100.0)
 DEMO_EPSILONS = (0.1, 1.0, 10.0, 100.0)

@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, environment, log, merge_new, update_doc_blocks, write_result  # noqa: E402
-from dpmech.data import load_splits  # noqa: E402
-from dpmech.label_dp_recipe import RecipeConfig, accuracy, mse, predict, train_label_dp  # noqa: E402
+from dpmech.datasets.splits import load_splits  # noqa: E402
+from dpmech.label_dp.recipe import RecipeConfig, accuracy, mse, predict, train_label_dp  # noqa: E402
 
 CLS_EPS = (0.1, 0.5, 1.0, 2.0, 3.0, 4.0, 10.0)
 REG_EPS = (0.01, 0.0316227766, 0.1, 0.316227766, 1.0, 3.16227766, 10.0, 31.6227766, 100.0)

@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, log, write_result  # noqa: E402
-from dpmech.certify import certify  # noqa: E402
-from dpmech.data import load_splits  # noqa: E402
-from dpmech.evaluation import certified_accuracy_curve, predict  # noqa: E402
-from dpmech.pixeldp import PixelDPConfig, PixelDPTrainer  # noqa: E402
+from dpmech.robustness.certification import certify  # noqa: E402
+from dpmech.datasets.splits import load_splits  # noqa: E402
+from dpmech.robustness.evaluation import certified_accuracy_curve, predict  # noqa: E402
+from dpmech.pixeldp.trainer import PixelDPConfig, PixelDPTrainer  # noqa: E402
 
 SIZES = (0.05, 0.1, 0.2, 0.3)
 

@@ -33,7 +33,7 @@ TRIAL = {"dataset": "mnist", "train_size": 6000, "test_size": 500, "epochs": 4, 
 
 def standalone_seconds(seed: int, threads: int) -> float:
     """One trial's work through dpmech alone (what a trial computes, without the platform)."""
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
     from trainables.config import PixelDPTrialConfig
     from trainables.pixeldp import PixelDPMechanism
     from trainables.runtime import evaluate
@@ -57,7 +57,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--standalone-runs", type=int, default=1, help="trials timed without the platform")
     args = ap.parse_args(argv)
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
 
     load_splits("mnist", train_size=10, test_size=10)  # data on disk before anything is timed
     threads_before = torch.get_num_threads()

@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     sizes = [10, 30] if args.demo else [int(s) for s in args.sizes.split(",") if s.strip()]
 
-    from dpmech.data import ensure_available
+    from dpmech.datasets.splits import ensure_available
 
     ensure_available("mnist")  # data on disk before anything is timed
     result = {"benchmark": "sweep_scale", "trial_config": TRIAL, "targets": TARGETS,

@@ -223,7 +223,7 @@ def _run(args, interrupts, sweep: dict) -> int:
     if not _tracking_ok(tracking_uri):  # a few seconds at most, before Ray starts or any MLflow run
         return EXIT_INVALID
 
-    from dpmech.data import ensure_available
+    from dpmech.datasets.splits import ensure_available
 
     for name in sorted(_datasets(trials, spec)):
         print(f"preparing dataset {name} ...", flush=True)

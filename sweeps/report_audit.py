@@ -40,9 +40,9 @@ def primary_estimator(row) -> str:
 
 def corrected_bound(row, estimator: str, k: int) -> float:
     """The trial's lower bound at level beta / k from its logged counts (nan without them)."""
-    from dpmech.audit import epsilon_lower_bound
-    from dpmech.audit_fdp import mu_lower_bound
-    from dpmech.audit_gdp import gdp_epsilon
+    from dpmech.privacy.audit.one_run import epsilon_lower_bound
+    from dpmech.privacy.audit.fdp import mu_lower_bound
+    from dpmech.privacy.audit.gdp import gdp_epsilon
 
     m, r, v = (_num(row.get(c)) for c in ("audit_canaries", "audit_guesses", "audit_correct"))
     beta, delta = _num(row.get("audit_beta")), _num(row.get("delta"))

@@ -5,7 +5,7 @@
 classification accuracy against epsilon (log x), one line per mechanism (Laplace, randomized
 response, Laplace with clamp-and-round), each task's non-private baseline as a dashed horizontal
 line, and on the accuracy panel the analytic probability that a training label is kept at each
-epsilon (dotted; ``dpmech.label_dp.analytic_keep_prob``) beside the measured keep rates.
+epsilon (dotted; ``dpmech.label_dp.release.analytic_keep_prob``) beside the measured keep rates.
 
 ``plot_labeldp(rows, path)`` draws the same figure from plain records (the benchmark uses it);
 ``rows_from_benchmark(json)`` turns benchmarks/results/labeldp_mnist_full.json into such records, and
@@ -86,7 +86,7 @@ def _baseline(rows: list[dict], task: str, key: str) -> float:
 def plot_labeldp(rows: list[dict], path: Path, num_classes: int = 10) -> bool:
     """Draw the figure from records {task, mechanism, postprocess, epsilon (None = baseline),
     acc_clean, mse, label_keep_rate}; False when there is nothing to draw."""
-    from dpmech.label_dp import analytic_keep_prob
+    from dpmech.label_dp.release import analytic_keep_prob
 
     cls = [r for r in rows if r["task"] == "classification"]
     reg = [r for r in rows if r["task"] == "regression" and math.isfinite(r.get("mse", math.nan))]

@@ -521,7 +521,7 @@ def _planned_train_size(config: dict) -> int:
     audit canaries (at most that many join the training set)."""
     n = config.get("train_size")
     if n is None:
-        from dpmech.dpsgd import FULL_TRAIN_SIZES
+        from dpmech.dpsgd.trainer import FULL_TRAIN_SIZES
 
         n = FULL_TRAIN_SIZES[config.get("dataset", "mnist")]
     return int(n) + int(config.get("audit_canaries") or 0) + int((config.get("audit") or {}).get("canaries") or 0)

@@ -12,7 +12,7 @@ Under ``tuning_privacy: {distribution, mean, shape, delta}`` a sweep is Papernot
 * only the best trial (by ``search.metric``/``search.mode``) is released: the parent run records
   its score, its model and a pointer to it; the other trials are working state;
 * the end-to-end (epsilon, delta) comes from the order-wise worst RDP curve over every
-  configuration the search could draw (``dpmech.tuning.worst_case_rdp``), so privacy-relevant
+  configuration the search could draw (``dpmech.privacy.tuning.worst_case_rdp``), so privacy-relevant
   keys (the trainable's ``privacy_keys``) may be fixed or drawn from a finite ``choice`` only.
 
 This module checks the spec and computes the numbers; it does not import Ray or MLflow.
@@ -38,7 +38,7 @@ K_STREAM = 0x7D9  # the stream of search.seed that draws K (trial draws use the 
 
 def draw_k(spec: "SweepSpec") -> int:
     """The number of trials of a tuning-private sweep: a fixed function of ``search.seed``."""
-    from dpmech.tuning import draw_num_trials
+    from dpmech.privacy.tuning import draw_num_trials
 
     tp = spec.tuning_privacy
     rng = np.random.default_rng([spec.search.seed, K_STREAM])
@@ -48,7 +48,7 @@ def draw_k(spec: "SweepSpec") -> int:
 def check_tuning_spec(spec: "SweepSpec") -> None:
     """The rules of Papernot & Steinke's procedure (module docstring) on the spec's sections,
     checked before the trainables' spaces are built; SpecError names the key."""
-    from dpmech.tuning import tuning_shape
+    from dpmech.privacy.tuning import tuning_shape
 
     tp = spec.tuning_privacy
     try:
@@ -141,8 +141,8 @@ def privacy_configs(spec: "SweepSpec") -> list[dict]:
 def tuning_summary(spec: "SweepSpec", k: int) -> dict[str, float]:
     """The numbers the parent run records: K, the worst per-trial epsilon and the end-to-end
     epsilon at ``tuning_privacy.delta`` (default: the largest per-trial delta in the space)."""
-    from dpmech.accounting import rdp_epsilon
-    from dpmech.tuning import tuning_epsilon, worst_case_rdp
+    from dpmech.privacy.accounting import rdp_epsilon
+    from dpmech.privacy.tuning import tuning_epsilon, worst_case_rdp
 
     tp = spec.tuning_privacy
     configs = privacy_configs(spec)
@@ -186,7 +186,7 @@ def end_to_end_epsilon(spec: "SweepSpec", trial_epsilon: float) -> float:
 
 def _tuning_epsilon_at(spec: "SweepSpec", configs: list[dict], trial_epsilon: float, delta: float) -> float:
     """End-to-end epsilon when every configuration of ``configs`` targets ``trial_epsilon``."""
-    from dpmech.tuning import tuning_epsilon, worst_case_rdp
+    from dpmech.privacy.tuning import tuning_epsilon, worst_case_rdp
 
     tp = spec.tuning_privacy
     worst = worst_case_rdp(_trial_events(spec, configs, trial_epsilon))

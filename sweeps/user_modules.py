@@ -18,7 +18,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from dpmech.user_code import is_import_path, resolve
+from dpmech.datasets.user_code import is_import_path, resolve
 
 _KEYS = ("model", "dataset")
 _OWN = ("dpmech", "trainables", "sweeps")

@@ -1,4 +1,4 @@
-"""dpmech.accounting: the ledger's epsilon against two independent accountants (Opacus, dp-accounting)."""
+"""dpmech.privacy.accounting: the ledger's epsilon against two independent accountants (Opacus, dp-accounting)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from dp_accounting import dp_event as dpe
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpmech.accounting import PrivacyLedger, epsilon, noise_multiplier_for, subsampled_gaussian_event
+from dpmech.privacy.accounting import PrivacyLedger, epsilon, noise_multiplier_for, subsampled_gaussian_event
 
 
 def test_ledger_rdp_epsilon_agrees_with_opacus_and_dp_accounting():
@@ -92,7 +92,7 @@ def test_noise_multiplier_for_a_composition_after_a_fixed_release():
 def test_epsilon_memo_is_exact_per_event():
     """The per-process memo of epsilon and of the calibration returns what a fresh computation
     gives, and never one event's value for another (the key is the event itself)."""
-    from dpmech import accounting as acc
+    from dpmech.privacy import accounting as acc
 
     a = acc.subsampled_gaussian_event(0.01, 1.1, 100)
     b = acc.subsampled_gaussian_event(0.01, 1.1, 101)

@@ -13,14 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpmech.adlm import (AdLMConfig, AdLMTrainer, average_relevance, feature_copies, feature_scales,
-                         feature_sensitivity, features_epsilon, loss_sensitivity, lrp_epsilon, normalized_relevance, redistribute,
-                         relevance_sensitivity, split_budget, train_relevance_net)
+from dpmech.adlm.config import AdLMConfig
+from dpmech.adlm.trainer import AdLMTrainer
+from dpmech.adlm.relevance import average_relevance, lrp_epsilon, normalized_relevance, train_relevance_net
+from dpmech.adlm.budget import (feature_copies, feature_scales, feature_sensitivity, features_epsilon,
+                                loss_sensitivity, redistribute, relevance_sensitivity, split_budget)
 from dpmech.adlm.budget import uniform_share_loss
-from dpmech.data import load_splits
+from dpmech.datasets.splits import load_splits
 from dpmech.dpal.model import DPALNet
 from dpmech.dpal.objectives import label_coefficients
-from dpmech.mechanisms import laplace_noise
+from dpmech.privacy.mechanisms import laplace_noise
 
 D = 784
 SHAPE = (1, 28, 28)
@@ -348,7 +350,7 @@ def test_bad_training_data_is_refused(mnist):
 
 
 def test_trainable_schema_and_adapter(tmp_path, mnist, monkeypatch):
-    import dpmech.data
+    import dpmech.datasets.splits
     from torch.utils.data import TensorDataset
 
     from trainables.adlm import AdLMMechanism, AdLMTrialConfig
@@ -364,7 +366,7 @@ def test_trainable_schema_and_adapter(tmp_path, mnist, monkeypatch):
     (x, y), (xt, yt) = mnist
     # the held-out pool (stubbed: no second load of MNIST) holds 5 training images, e.g. included canaries
     pool = TensorDataset(torch.cat([x[:5], x[2000:2200]]), torch.cat([y[:5], y[2000:2200]]))
-    monkeypatch.setattr(dpmech.data, "load_held_out", lambda *a, **k: pool)
+    monkeypatch.setattr(dpmech.datasets.splits, "load_held_out", lambda *a, **k: pool)
     mech = AdLMMechanism(cfg, x[:300], y[:300], torch.device("cpu"))
     p = mech.privacy()
     for key in ("epsilon", "delta", "adlm_eps_relevance", "adlm_eps_features", "adlm_eps_loss"):

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpmech.attacks import EOT_AUTO_SAMPLES, apgd, apgd_checkpoints, dlr_loss
-from dpmech.evaluation import conventional_accuracy
+from dpmech.robustness.attacks import EOT_AUTO_SAMPLES, apgd, apgd_checkpoints, dlr_loss
+from dpmech.robustness.evaluation import conventional_accuracy
 
 
 def paper_checkpoints(steps):
@@ -119,7 +119,7 @@ def test_apgd_equals_the_one_example_reference(norm, eps, loss):
 
 @pytest.fixture(scope="module")
 def mnist_mlp(one_thread):
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
 
     train, test = load_splits("mnist", train_size=4000, test_size=300, seed=0)
     xtr, ytr = train.tensors

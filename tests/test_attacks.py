@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from dpmech import attacks as A
-from dpmech.attacks import ATTACKS, accuracy_under_attack, attack, fgsm, ifgsm, mim, pgd
+from dpmech.robustness import attacks as A
+from dpmech.robustness.attacks import ATTACKS, accuracy_under_attack, attack, fgsm, ifgsm, mim, pgd
 
 N_CLASSES = 4
 

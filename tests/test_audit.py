@@ -1,4 +1,4 @@
-"""dpmech.audit: the one-run lower bound on epsilon (Steinke, Nasr & Jagielski 2023) on
+"""dpmech.privacy.audit.one_run: the one-run lower bound on epsilon (Steinke, Nasr & Jagielski 2023) on
 simulated mechanisms with a known epsilon, including the negative control that refutes a claim."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import binom
 
-from dpmech.audit import audit, epsilon_lower_bound, guesses, make_canaries
+from dpmech.privacy.audit.one_run import audit, epsilon_lower_bound, guesses, make_canaries
 
 
 def rr_scores(included: np.ndarray, eps: float, rng: np.random.Generator) -> np.ndarray:

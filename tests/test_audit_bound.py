@@ -1,4 +1,4 @@
-"""dpmech.audit's (epsilon, delta) bound is Steinke, Nasr & Jagielski (2023) Cor. 5.4 exactly (the
+"""dpmech.privacy.audit.one_run's (epsilon, delta) bound is Steinke, Nasr & Jagielski (2023) Cor. 5.4 exactly (the
 alpha-weighted delta term of their App. D), ``m`` is required with delta, the impossible audit is
 recognised, and ``guess_fraction = 1`` works for any m (issue 18, points 8-10)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
-from dpmech.audit import audit, audit_possible, epsilon_lower_bound, guess_counts, p_value
+from dpmech.privacy.audit.one_run import audit, audit_possible, epsilon_lower_bound, guess_counts, p_value
 
 
 def reference_p_value(m, r, v, eps, delta):

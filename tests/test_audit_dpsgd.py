@@ -1,4 +1,4 @@
-"""The one-run privacy audit (dpmech.audit; Steinke, Nasr & Jagielski 2023) on real DP-SGD runs.
+"""The one-run privacy audit (dpmech.privacy.audit.one_run; Steinke, Nasr & Jagielski 2023) on real DP-SGD runs.
 
 500 canaries (held-out MNIST images with random wrong labels) are each added to a 500-image
 training set with probability 1/2; a small MLP is trained with the DP-SGD engine; membership
@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dpmech.audit import audit, loss_scores, make_canaries
-from dpmech.data import load_held_out, load_splits
-from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer
+from dpmech.privacy.audit.one_run import audit, loss_scores, make_canaries
+from dpmech.datasets.splits import load_held_out, load_splits
+from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
               pytest.mark.usefixtures("one_thread")]

@@ -1,5 +1,5 @@
 """The audit estimators beside Steinke et al.'s: Mahloujifar et al.'s f-DP one-run bound
-(dpmech.audit_fdp) and the GDP per-step estimate (dpmech.audit_gdp), each cross-checked against
+(dpmech.privacy.audit.fdp) and the GDP per-step estimate (dpmech.privacy.audit.gdp), each cross-checked against
 an independent implementation written here, with statistical checks and negative controls."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 from scipy import integrate
 from scipy.stats import norm
 
-from dpmech.audit import epsilon_lower_bound
-from dpmech.audit_fdp import eps_delta_lower_bound, fdp_epsilon_lower_bound, mu_lower_bound, rejects, \
-    gaussian_inverse_blowup
-from dpmech.audit_gdp import compose_mu, estimate_gdp, gdp_delta, gdp_epsilon
+from dpmech.privacy.audit.one_run import epsilon_lower_bound
+from dpmech.privacy.audit.fdp import (eps_delta_lower_bound, fdp_epsilon_lower_bound, mu_lower_bound, rejects,
+                                      gaussian_inverse_blowup)
+from dpmech.privacy.audit.gdp import compose_mu, estimate_gdp, gdp_delta, gdp_epsilon
 
 
 # ----------------------------------------------------------------------------- GDP conversions

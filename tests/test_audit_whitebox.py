@@ -1,4 +1,4 @@
-"""White-box gradient canaries in the DP-SGD engine (dpmech.audit_whitebox; issue 25, point 1).
+"""White-box gradient canaries in the DP-SGD engine (dpmech.privacy.audit.whitebox; issue 25, point 1).
 
 * m = 0 canaries: training is bit-for-bit the run without canaries (each clipping engine).
 * Canary gradients enter the clipped sum exactly: C e_c on the canary's coordinate, only for
@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 from scipy.stats import binomtest
 
-from dpmech.audit_whitebox import WhiteBoxCanaries
-from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer
+from dpmech.privacy.audit.whitebox import WhiteBoxCanaries
+from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Full backward hook is firing"), pytest.mark.usefixtures("one_thread")]
 
@@ -209,7 +209,7 @@ def test_mechanisms_on_the_engine_get_the_canaries(which):
     included canaries' coordinates (noise 0, one step from the same initialisation)."""
     g = torch.Generator().manual_seed(0)
     if which == "dpal_sound":
-        from dpmech.dpal_sound import DPALSoundConfig, DPALSoundTrainer
+        from dpmech.dpal_sound.trainer import DPALSoundConfig, DPALSoundTrainer
 
         x, y = torch.rand(64, 1, 8, 8, generator=g) * 2 - 1, torch.randint(0, 3, (64,), generator=g)
         cfg = DPALSoundConfig(epsilon=None, noise_multiplier=0.0, max_grad_norm=0.05, batch_size=32, epochs=1,
@@ -223,7 +223,7 @@ def test_mechanisms_on_the_engine_get_the_canaries(which):
                                       nn.Linear(36, 8), nn.Tanh(), nn.Linear(8, 3))
             return DPALSoundTrainer(model, x, y, cfg, canaries=c)
     else:
-        from dpmech.secure_sgd import SecureSGDConfig, SecureSGDTrainer
+        from dpmech.secure_sgd.trainer import SecureSGDConfig, SecureSGDTrainer
 
         x, y = torch.rand(32, 1, 28, 28, generator=g) * 2 - 1, torch.randint(0, 10, (32,), generator=g)
         cfg = SecureSGDConfig(epsilon=None, noise_multiplier=0.0, max_grad_norm=0.05, batch_size=16, epochs=1,

@@ -8,7 +8,7 @@ significance 0.05, delta 1e-6, and reports Steinke et al.'s one-run epsilon 1.13
 or above a threshold, k_- = 0) at each threshold on the Pareto frontier of the (false-negative,
 true-negative) counts, each tested at significance / (number of frontier thresholds)
 (Bonferroni), the best bound kept. That strategy is written here, in the test, around our
-``dpmech.audit.epsilon_lower_bound`` and ``dpmech.audit_fdp.fdp_epsilon_lower_bound``; both
+``dpmech.privacy.audit.one_run.epsilon_lower_bound`` and ``dpmech.privacy.audit.fdp.fdp_epsilon_lower_bound``; both
 reproduce the six figures to 1e-5 relative. (Our trials use fixed two-sided guesses instead,
 ``guess_fraction``: no multiplicity correction; docs/audit.md.)
 """
@@ -21,8 +21,8 @@ from scipy.special import expit
 from scipy.stats import beta as beta_dist
 from scipy.stats import norm
 
-from dpmech.audit import epsilon_lower_bound
-from dpmech.audit_fdp import fdp_epsilon_lower_bound
+from dpmech.privacy.audit.one_run import epsilon_lower_bound
+from dpmech.privacy.audit.fdp import fdp_epsilon_lower_bound
 
 N, SIGNIFICANCE, DELTA = 10_000, 0.05, 1e-6
 JAX_PRIVACY = {1: (1.13346, 2.164749), 2: (2.311945, 4.7218075), 4: (4.395568, 9.133752)}

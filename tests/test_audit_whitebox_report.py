@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 
-from dpmech.audit import epsilon_lower_bound, run_estimators
+from dpmech.privacy.audit.one_run import epsilon_lower_bound
+from dpmech.privacy.audit.estimators import run_estimators
 from sweeps.report import _md_table, _privacy_section
 from sweeps.report_audit import audit_rows, plot_claimed_vs_audited
 from sweeps.report_data import Sweep

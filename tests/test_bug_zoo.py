@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from benchmarks import bug_zoo as zoo
-from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer
+from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:.*failed to converge.*")]

@@ -9,18 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dpmech.certify import (
-    MonteCarloEstimate,
-    bernstein_bounds,
-    certified_accuracy,
-    certified_size,
-    certify,
-    clopper_pearson,
-    hoeffding_bounds,
-    max_epsilon,
-    robust,
-)
-from dpmech.noise_layer import NoiseLayer
+from dpmech.robustness.certification import (MonteCarloEstimate, bernstein_bounds, certified_accuracy, certified_size,
+                                             certify, clopper_pearson, hoeffding_bounds, max_epsilon, robust)
+from dpmech.robustness.noise_layer import NoiseLayer
 
 TRIALS = 10_000
 
@@ -197,7 +188,7 @@ def test_classic_calibration_never_certifies_more_and_matches_the_formula():
     assert np.all(classic <= analytic + 1e-12) and (classic > 0).any()
     # one example by hand: the best over the reference's grid (delta' = 0.001 .. 0.299) of
     # sigma eps' / sqrt(2 ln(1.25/delta')), eps' <= 1
-    from dpmech.certify import DELTA_GRID_CLASSIC
+    from dpmech.robustness.certification import DELTA_GRID_CLASSIC
 
     best = 0.0
     for d in DELTA_GRID_CLASSIC:

@@ -11,11 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dpmech import smoothing
-from dpmech.certify import (
-    argmax_bounds, certified_size, certify, certify_counts, hoeffding_bounds, max_epsilon, top_and_runner_up,
-)
-from dpmech.noise_layer import NoiseLayer, pixeldp_noise_scale
+from dpmech.robustness import smoothing
+from dpmech.robustness.certification import (argmax_bounds, certified_size, certify, certify_counts, hoeffding_bounds,
+                                             max_epsilon, top_and_runner_up)
+from dpmech.robustness.noise_layer import NoiseLayer, pixeldp_noise_scale
 
 
 class NoisyLinear(nn.Module):
@@ -168,7 +167,7 @@ def test_single_image_is_accepted_by_both_certifiers():
     with pytest.raises(ValueError, match=r"^x must be a batch \[N, C, H, W\]"):
         smoothing.certify(base, 0.25, img[None, None], generator=torch.Generator())
 
-    from dpmech.models import PixelDPCNN
+    from dpmech.networks.pixeldp import PixelDPCNN
 
     net = PixelDPCNN(0.5, seed=0)
     res = certify(net, torch.zeros(1, 28, 28), 3, n=8, generator=torch.Generator().manual_seed(0))

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from dpmech.certify import DELTA_GRID_CLASSIC, certified_size
+from dpmech.robustness.certification import DELTA_GRID_CLASSIC, certified_size
 
 
 def _mult(d):

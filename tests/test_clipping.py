@@ -1,4 +1,4 @@
-"""Book-keeping clipping (dpmech.clipping): per-example norms of each layer type against
+"""Book-keeping clipping (dpmech.privacy.clipping): per-example norms of each layer type against
 torch.func, the clipped sum against a per-example clip-and-sum reference, in every rule
 (ghost norm, instantiation, mixed), and the refusal of layers it cannot handle."""
 
@@ -10,9 +10,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-from dpmech.clipping import BookKeeper
-from dpmech.dp_models import build_dp_model
-from dpmech.dpsgd import build_dpsgd_model
+from dpmech.privacy.clipping import BookKeeper
+from dpmech.networks.dpsgd_models import build_dp_model
+from dpmech.dpsgd.trainer import build_dpsgd_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,7 +114,7 @@ def test_cifar_models_with_groupnorm_are_supported():
 
 
 def test_unsupported_layers_are_refused_by_name():
-    from dpmech.noise_layer import BoundedConv2d
+    from dpmech.robustness.noise_layer import BoundedConv2d
 
     model = nn.Sequential(BoundedConv2d(1, 2, 3), nn.Flatten(), nn.Linear(2 * 6 * 6, 3))
     with pytest.raises(ValueError, match="^clipping: .*BoundedConv2d"):
@@ -129,7 +129,7 @@ def test_unsupported_layers_are_refused_by_name():
 
 
 def test_unit_input_range_is_the_same_network_on_rescaled_inputs():
-    """input_range="unit" (dpmech.dp_models.InputAffine): the same parameters, fed (x + 1) / 2; it adds
+    """input_range="unit" (dpmech.networks.dpsgd_models.InputAffine): the same parameters, fed (x + 1) / 2; it adds
     no parameter (nothing new to clip or account for)."""
     plain, unit = build_dpsgd_model("mnist", 3, "tb_cnn"), build_dpsgd_model("mnist", 3, "tb_cnn", "unit")
     assert sum(p.numel() for p in unit.parameters()) == sum(p.numel() for p in plain.parameters())

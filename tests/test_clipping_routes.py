@@ -1,4 +1,4 @@
-"""The routes of book-keeping clipping (dpmech.clipping, issue 26 "Speed"): every route's
+"""The routes of book-keeping clipping (dpmech.privacy.clipping, issue 26 "Speed"): every route's
 per-example norms and clipped sum against the per-example reference of torch.func in float64
 (bit-close), in chunks that do not divide the batch, with two rows per example, the fused routes
 (the sums taken chunk by chunk, after every other layer's norms), the measured choice, pinned
@@ -12,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-from dpmech import clipping
-from dpmech.clipping import ROUTES, BookKeeper
+from dpmech.privacy import clipping
+from dpmech.privacy.clipping import ROUTES, BookKeeper
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -201,7 +201,7 @@ def test_routes_that_keep_gradients_give_way_over_inst_max(small_chunks, monkeyp
 def test_float32_routes_agree_on_the_benchmark_networks():
     """tb_cnn and pixeldp_cnn at a batch of 40 (float32, default chunks): every route's norms and
     sum agree with the fused default to float32 rounding."""
-    from dpmech.dpsgd import build_dpsgd_model
+    from dpmech.dpsgd.trainer import build_dpsgd_model
 
     g = torch.Generator().manual_seed(3)
     x = torch.rand(40, 1, 28, 28, generator=g) * 2 - 1
@@ -235,7 +235,7 @@ def test_torch_compile_failure_falls_back_to_the_eager_route(small_chunks, monke
 def test_a_checkpoint_carries_the_routes_and_a_restored_trainer_pins_them():
     """DPSGDTrainer.state_dict holds the engine's routes ("measured" times them per process); a
     trainer restored from it takes the same ones, whatever it would measure."""
-    from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer, build_dpsgd_model
+    from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer, build_dpsgd_model
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.rand(64, 1, 28, 28, generator=g) * 2 - 1, torch.randint(0, 10, (64,), generator=g)

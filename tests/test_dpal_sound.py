@@ -1,10 +1,10 @@
-"""dpal_sound (dpmech.dpal_sound): DP-SGD on DPAL's adversarial objective under smoothing noise.
+"""dpal_sound (dpmech.dpal_sound.trainer): DP-SGD on DPAL's adversarial objective under smoothing noise.
 
 Tiny GroupNorm CNN on 8x8 random images (milliseconds per step). Checked: the clipped sum is the
 per-example clip-and-sum of loss_i = [CE(f(x_i+z_i)) + xi CE(f(x_i^adv+z'_i))] / (1+xi) (negative
 control: clipping the two passes apart differs); x_i^adv depends on x_i only (negative control: a
 BatchNorm model fails the same check); epsilon is the accountant's for the steps that ran; the
-certificate is dpmech.smoothing's; the attack stays in each example's ball of size mu_i <= mu_max.
+certificate is dpmech.robustness.smoothing's; the attack stays in each example's ball of size mu_i <= mu_max.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from scipy.stats import norm
 
-from dpmech import smoothing
-from dpmech.accounting import epsilon as event_epsilon
-from dpmech.accounting import subsampled_gaussian_event
-from dpmech.clipping import BookKeeper
-from dpmech.dpal_sound import (DPALSoundConfig, DPALSoundTrainer, PairedBookKeeper, craft, evaluate,
-                               per_example_loss)
+from dpmech.robustness import smoothing
+from dpmech.privacy.accounting import epsilon as event_epsilon
+from dpmech.privacy.accounting import subsampled_gaussian_event
+from dpmech.privacy.clipping import BookKeeper
+from dpmech.dpal_sound.trainer import (DPALSoundConfig, DPALSoundTrainer, PairedBookKeeper, craft, evaluate,
+                                       per_example_loss)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -231,8 +231,8 @@ def test_certificate_is_randomized_smoothing_and_linf_is_l2_over_sqrt_d():
     out = evaluate(model, 0.5, x, y, seed=0, predict_n=50, cert_size=40, cert_n0=20, cert_n=200,
                    l2_radii=(0.1, 0.25), linf_sizes=(0.01, 0.02), pgd_sizes=(0.2,), pgd_size_n=8, pgd_steps=2,
                    eot_samples=2)
-    # the same CERTIFY call (same generator stream) through dpmech.smoothing
-    from dpmech.dpsgd import stream_seed
+    # the same CERTIFY call (same generator stream) through dpmech.robustness.smoothing
+    from dpmech.dpsgd.trainer import stream_seed
     res = smoothing.certify(model, 0.5, x, y.numpy(), n0=20, n=200, alpha=0.001,
                             generator=torch.Generator().manual_seed(stream_seed(0, 101)))
     # radius = sigma Phi^-1(p_lower) of the counts (Cohen et al. Thm 1), abstain when p_lower <= 1/2
@@ -252,7 +252,7 @@ def test_trainable_runs_a_trial_and_reports_its_metrics(monkeypatch):
     the ones the registry lists, epsilon is the ledger's and equals the planned event's."""
     from ray import tune
 
-    from dpmech.accounting import epsilon as eps_of
+    from dpmech.privacy.accounting import epsilon as eps_of
     from sweeps.spec_space import reported_metrics
     from trainables.dpal_sound import DPALSoundTrialConfig, dpal_sound, privacy_event
 

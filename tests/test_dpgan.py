@@ -12,8 +12,9 @@ import torch
 from dp_accounting import dp_event as dpe
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpmech.accounting import RDP_ORDERS, noise_multiplier_for
-from dpmech.dpgan import DPGANConfig, DPGANTrainer, paper_lemma2_epsilon, paper_lemma2_sigma
+from dpmech.privacy.accounting import RDP_ORDERS, noise_multiplier_for
+from dpmech.dpgan.config import DPGANConfig, paper_lemma2_epsilon, paper_lemma2_sigma
+from dpmech.dpgan.trainer import DPGANTrainer
 from dpmech.dpgan.evaluate import sample_scores, synthetic_dataset, tstr_accuracy
 
 
@@ -230,7 +231,7 @@ def test_sample_scores_on_a_perfect_and_a_useless_generator():
 
 @pytest.mark.slow
 def test_short_run_beats_chance_in_train_on_synthetic_accuracy():
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
 
     train, test = load_splits("mnist", train_size=2000, test_size=500, seed=0)
     x, y = train.tensors
@@ -250,7 +251,7 @@ def test_short_run_beats_chance_in_train_on_synthetic_accuracy():
 
 # ------------------------------------------------------------------ trainable
 def test_trial_schema_and_planned_privacy_event():
-    from dpmech.accounting import epsilon as event_epsilon
+    from dpmech.privacy.accounting import epsilon as event_epsilon
     from trainables.dpgan import DPGANTrialConfig
     from trainables.registry import get_trainable
     from trainables.runtime import validate_config

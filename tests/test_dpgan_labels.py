@@ -13,8 +13,9 @@ from dp_accounting import dp_event as dpe
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import stats
 
-from dpmech.accounting import RDP_ORDERS, noise_multiplier_for
-from dpmech.dpgan import DPGANConfig, DPGANTrainer, planned_event
+from dpmech.privacy.accounting import RDP_ORDERS, noise_multiplier_for
+from dpmech.dpgan.config import DPGANConfig, planned_event
+from dpmech.dpgan.trainer import DPGANTrainer
 from dpmech.dpgan.labels import label_probabilities, release_label_histogram
 from trainables.dpgan import DPGANTrialConfig, privacy_event
 
@@ -172,7 +173,7 @@ def test_checkpoint_keeps_the_released_histogram_and_continues_bit_for_bit(tmp_p
 def test_trial_plans_what_the_trainer_spends():
     """The trainable's planned event (used by the sweep before any trial runs) and the trainer's
     ledger after every planned step give the same epsilon, histogram included."""
-    from dpmech.accounting import epsilon as event_epsilon
+    from dpmech.privacy.accounting import epsilon as event_epsilon
     from trainables.dpgan import dpgan_config
 
     x, y = _imbalanced()

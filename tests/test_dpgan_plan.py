@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 
-from dpmech.accounting import epsilon as event_epsilon
-from dpmech.dpgan import DPGANConfig, DPGANTrainer
+from dpmech.privacy.accounting import epsilon as event_epsilon
+from dpmech.dpgan.config import DPGANConfig
+from dpmech.dpgan.trainer import DPGANTrainer
 from dpmech.dpgan.config import calibrate_noise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -99,7 +100,7 @@ def test_dp_merf_release_is_planned_without_n():
     """DP-MERF releases one Gaussian sum of sensitivity 1 with a count coordinate: sigma, the ledger
     and the trial's event are the same for any N (N enters only through the noisy count, post-
     processing), so canaries drawn in change nothing in its accounting."""
-    from dpmech.dp_merf import DPMERFConfig, DPMERFTrainer
+    from dpmech.dp_merf.trainer import DPMERFConfig, DPMERFTrainer
     from trainables.dp_merf import DPMERFTrialConfig, privacy_event
 
     cfg = DPMERFConfig(epsilon=1.0, n_features=20, epochs=1, steps_per_epoch=1, batch_size=10, hidden=8)

@@ -32,9 +32,10 @@ import pytest
 import torch
 from scipy.stats import binomtest
 
-from dpmech.accounting import epsilon as event_epsilon
-from dpmech.audit_whitebox import WhiteBoxCanaries
-from dpmech.dpgan import DPGANConfig, DPGANTrainer
+from dpmech.privacy.accounting import epsilon as event_epsilon
+from dpmech.privacy.audit.whitebox import WhiteBoxCanaries
+from dpmech.dpgan.config import DPGANConfig
+from dpmech.dpgan.trainer import DPGANTrainer
 from dpmech.dpgan.config import calibrate_noise
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:.*failed to converge.*")]

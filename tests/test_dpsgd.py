@@ -1,4 +1,4 @@
-"""DP-SGD (dpmech.dpsgd, trainables.dpsgd): Poisson sampling, clipping, noise, ledger, restore,
+"""DP-SGD (dpmech.dpsgd.trainer, trainables.dpsgd): Poisson sampling, clipping, noise, ledger, restore,
 accounting against Opacus and dp-accounting, and a short MNIST run.
 
 The mechanics run on a tiny CNN over 8x8 random images (milliseconds per step); only the last
@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dpmech.accounting import epsilon as event_epsilon
-from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer, plan
+from dpmech.privacy.accounting import epsilon as event_epsilon
+from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer, plan
 
 # Opacus's hooks stay on the model (disabled outside training steps); the reference gradients
 # computed here through the same model make torch note that they fire on module outputs.
@@ -280,7 +280,7 @@ def test_batchnorm_is_replaced_and_a_model_is_not_wrapped_twice():
 
 # ------------------------------------------------------------------ the trainable on MNIST
 def test_short_mnist_run_is_well_above_chance_and_matches_its_planned_event():
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
     from trainables.dpsgd import DPSGDMechanism, DPSGDTrialConfig, privacy_event
 
     train, test = load_splits("mnist", train_size=2000, test_size=500, seed=0)
@@ -311,8 +311,8 @@ def test_trial_schema_rules():
 
 # ------------------------------------------------------------------ models and recipes (issue 14)
 def test_model_key_builds_the_named_network_and_defaults_to_the_pixeldp_cnn():
-    from dpmech.dp_models import TBMnistCNN
-    from dpmech.models import PixelDPCNN
+    from dpmech.networks.dpsgd_models import TBMnistCNN
+    from dpmech.networks.pixeldp import PixelDPCNN
     from trainables.dpsgd import DPSGDMechanism, DPSGDTrialConfig
 
     x, y = torch.rand(64, 1, 28, 28) * 2 - 1, torch.randint(0, 10, (64,))

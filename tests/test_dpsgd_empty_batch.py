@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer
+from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer
 
 
 def _update(mode: str, *, sigma: float = 1.0, lr: float = 0.5, batch: int = 4, seed: int = 3) -> torch.Tensor:

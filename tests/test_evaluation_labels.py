@@ -1,6 +1,6 @@
 """Robust accuracy against true labels (issue 13, point 1) and the did-not-learn flag (point 3).
 
-``dpmech.evaluation.conventional_accuracy`` attacks the true labels by default; the DPAL paper's
+``dpmech.robustness.evaluation.conventional_accuracy`` attacks the true labels by default; the DPAL paper's
 predicted-label variant is ``attack_labels="predicted"``. On a trained model, and on a weak one,
 accuracy under an attack of size > 0 against the true labels never exceeds clean accuracy by more
 than sampling noise (2 binomial standard deviations). Negative control: on the weak model the
@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpmech.evaluation import chance_accuracy, conventional_accuracy, did_not_learn, loss_near_chance
+from dpmech.robustness.evaluation import chance_accuracy, conventional_accuracy, did_not_learn, loss_near_chance
 
 ATTACKS = {"fgsm": [0.5], "pgd": [0.1, 0.25, 0.5, 1.0]}  # l2 sizes in the [-1, 1] domain
 
 
 @pytest.fixture(scope="module")
 def mnist(one_thread):
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
 
     train, test = load_splits("mnist", train_size=2000, test_size=500, seed=0)
     return train.tensors, test.tensors
@@ -129,7 +129,7 @@ def test_evaluate_passes_attack_labels_and_flags_not_learned(mnist, models, monk
 
     _, (xt, yt) = mnist
     seen = []
-    import dpmech.evaluation as ev
+    import dpmech.robustness.evaluation as ev
 
     real = ev.conventional_accuracy
 
@@ -157,10 +157,10 @@ def test_evaluate_passes_attack_labels_and_flags_not_learned(mnist, models, monk
 
 def test_label_dp_and_dpal_pass_attack_labels(monkeypatch):
     """The mechanisms with their own conventional_accuracy honour attack_labels (label_dp through
-    dpmech.evaluation; DPAL through dpmech.dpal.verify); DPGAN takes no attacks at all."""
-    import dpmech.attacks
+    dpmech.robustness.evaluation; DPAL through dpmech.dpal.verify); DPGAN takes no attacks at all."""
+    import dpmech.robustness.attacks
     import dpmech.dpal.verify as verify
-    import dpmech.evaluation as ev
+    import dpmech.robustness.evaluation as ev
     from trainables.label_dp import LabelDPMechanism, LabelDPTrialConfig
 
     seen = []
@@ -177,7 +177,7 @@ def test_label_dp_and_dpal_pass_attack_labels(monkeypatch):
         got.append(None if y is None else y.tolist())
         return x
 
-    monkeypatch.setattr(dpmech.attacks, "attack", fake_attack)
+    monkeypatch.setattr(dpmech.robustness.attacks, "attack", fake_attack)
     monkeypatch.setattr(verify, "verified_inference", lambda *a, **k: SimpleNamespace(accuracy=lambda: 0.5))
     trainer = SimpleNamespace(scorer=lambda fresh: None, device=torch.device("cpu"))
     x, y = torch.zeros(3, 1, 28, 28), torch.tensor([1, 2, 3])

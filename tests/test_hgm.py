@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from dpmech.hgm import (DELTA_MAX, agm_sigma, egm_sigma, hgm_noise, hgm_sigma, mechanism_sigma,
-                        redistribution_vector, whitened_sensitivity_bound)
-from dpmech.mechanisms import analytic_gaussian_sigma, gaussian_delta
+from dpmech.secure_sgd.hgm import (DELTA_MAX, agm_sigma, egm_sigma, hgm_noise, hgm_sigma, mechanism_sigma,
+                                   redistribution_vector, whitened_sensitivity_bound)
+from dpmech.privacy.mechanisms import analytic_gaussian_sigma, gaussian_delta
 
 EPSILONS = [1e-3, 0.01, 0.1, 0.5, 1.0, 1.5, 2.0, 4.0, 8.0, 16.0, 50.0, 200.0, 1000.0]
 DELTAS = [1e-12, 1e-8, 1e-5, 1e-3, 0.01, 0.05, 0.2, 0.5, 0.79]

@@ -1,4 +1,4 @@
-"""Label DP (dpmech.label_dp, trainables.label_dp): exact and statistical privacy checks of the
+"""Label DP (dpmech.label_dp.release, trainables.label_dp): exact and statistical privacy checks of the
 label release, the release-once rule, keep probabilities, and a short training run."""
 
 from __future__ import annotations
@@ -11,22 +11,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dpmech.label_dp import (
-    LabelDPConfig,
-    LabelDPTrainer,
-    clamp_round_keep_prob,
-    clamp_round_log_matrix,
-    laplace_argmax_keep_prob,
-    laplace_one_hot,
-    laplace_value,
-    randomized_response,
-    release_labels,
-    rr_epsilon,
-    rr_flip_prob,
-    rr_keep_prob,
-    rr_output_matrix,
-)
-from dpmech.mechanisms import laplace_scale
+from dpmech.label_dp.trainer import LabelDPConfig, LabelDPTrainer
+from dpmech.label_dp.release import (clamp_round_keep_prob, clamp_round_log_matrix, laplace_argmax_keep_prob,
+                                     laplace_one_hot, laplace_value, randomized_response, release_labels, rr_epsilon,
+                                     rr_flip_prob, rr_keep_prob, rr_output_matrix)
+from dpmech.privacy.mechanisms import laplace_scale
 from tests.dp_histogram import delta_hat
 
 K = 10
@@ -321,7 +310,7 @@ def test_trial_schema_rules():
 
 @pytest.mark.slow
 def test_short_training_beats_chance_and_adapter_reports_metrics():
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
     from trainables.label_dp import LabelDPMechanism, LabelDPTrialConfig
     from trainables.runtime import evaluate
 

@@ -1,5 +1,5 @@
-"""RRWithPrior / RR-Top-k (dpmech.label_dp_rr_prior, Ghazi et al. 2021 Alg. 1-2) and LP-MST
-(dpmech.label_dp_recipe): exact output probabilities (every ratio <= e^eps, attained), a broken
+"""RRWithPrior / RR-Top-k (dpmech.label_dp.rr_prior, Ghazi et al. 2021 Alg. 1-2) and LP-MST
+(dpmech.label_dp.recipe): exact output probabilities (every ratio <= e^eps, attained), a broken
 variant that the same check rejects, the sampler against the exact probabilities, and the rule
 that the stage-2 prior never reads part 2's labels."""
 
@@ -12,15 +12,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dpmech.label_dp_rr_prior import (
-    matrix_epsilon,
-    rr_prior_choose_k,
-    rr_prior_matrix,
-    rr_top_k,
-    rr_top_k_matrix,
-    rr_with_prior,
-    uniform_prior,
-)
+from dpmech.label_dp.rr_prior import (matrix_epsilon, rr_prior_choose_k, rr_prior_matrix, rr_top_k, rr_top_k_matrix,
+                                      rr_with_prior, uniform_prior)
 
 K = 10
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,7 +72,7 @@ def test_k_star_extremes_uniform_one_hot_and_ties():
 
 
 def test_k_equals_K_matches_plain_rr_matrix():
-    from dpmech.label_dp import rr_keep_prob, rr_output_matrix
+    from dpmech.label_dp.release import rr_keep_prob, rr_output_matrix
 
     for eps in (0.3, 1.0, 3.0):
         m = rr_top_k_matrix(list(range(K)), K, eps)
@@ -176,7 +169,7 @@ def test_bad_inputs_name_the_field():
 def test_stage2_prior_reads_no_part2_label():
     """LP-2ST: the stage-2 prior comes from the stage-1 model on part 2's images; changing every
     label of part 2 leaves it, and the stage-1 release, unchanged."""
-    from dpmech import label_dp_recipe as rc
+    from dpmech.label_dp import recipe as rc
 
     g = torch.Generator().manual_seed(0)
     n = 300
@@ -217,7 +210,8 @@ def _data(n=120, seed=0):
 
 
 def test_lp1st_release_is_rr_shaped_and_bad_configs_name_the_field():
-    from dpmech.label_dp import LabelDPConfig, release_labels, rr_keep_prob
+    from dpmech.label_dp.trainer import LabelDPConfig
+    from dpmech.label_dp.release import release_labels, rr_keep_prob
 
     y = torch.randint(0, K, (200_000,), generator=torch.Generator().manual_seed(1))
     r = release_labels(y, num_classes=K, task="classification", mechanism="lp1st", epsilon=1.0,
@@ -240,7 +234,7 @@ def test_lp1st_release_is_rr_shaped_and_bad_configs_name_the_field():
 def test_lp2st_trainer_releases_each_label_once_and_restores_bit_for_bit():
     import io
 
-    from dpmech.label_dp import LabelDPConfig, LabelDPTrainer
+    from dpmech.label_dp.trainer import LabelDPConfig, LabelDPTrainer
 
     x, y = _data()
     cfg = LabelDPConfig(mechanism="lp2st", epsilon=2.0, epochs=4, stage1_epochs=2, batch_size=40, lr=0.05,
@@ -279,7 +273,7 @@ def test_lp2st_trainer_releases_each_label_once_and_restores_bit_for_bit():
 
 
 def test_lr_schedule_warms_up_then_decays_to_zero():
-    from dpmech.label_dp_recipe import lr_at
+    from dpmech.label_dp.recipe import lr_at
 
     lrs = [lr_at(s, 100, 10, 0.1) for s in range(100)]
     assert lrs[0] == pytest.approx(0.01) and lrs[9] == pytest.approx(0.1)
@@ -287,8 +281,8 @@ def test_lr_schedule_warms_up_then_decays_to_zero():
 
 
 def test_denoised_prior_inverts_the_rr_channel():
-    from dpmech.label_dp import rr_keep_prob
-    from dpmech.label_dp_recipe import denoise_rr_prior
+    from dpmech.label_dp.release import rr_keep_prob
+    from dpmech.label_dp.recipe import denoise_rr_prior
 
     rng = np.random.default_rng(0)
     clean = torch.tensor(rng.dirichlet(np.full(K, 0.3), size=50))
@@ -342,7 +336,7 @@ def test_report_figure_draws_every_method_from_a_benchmark_result(tmp_path):
 
 
 def test_alibi_posterior_is_bayes_rule_on_the_laplace_release():
-    from dpmech.label_dp_alibi import alibi_release, alibi_soft_labels
+    from dpmech.label_dp.alibi import alibi_release, alibi_soft_labels
 
     y = torch.tensor([0, 3, 9, 5])
     noisy, b = alibi_release(y, K, 2.0, torch.Generator().manual_seed(0))
@@ -363,7 +357,7 @@ def test_alibi_posterior_is_bayes_rule_on_the_laplace_release():
 
 
 def test_alibi_training_runs_on_soft_labels():
-    from dpmech import label_dp_recipe as rc
+    from dpmech.label_dp import recipe as rc
 
     x, y = _data(200, seed=2)
     for prior in ("uniform", "model"):
@@ -377,7 +371,7 @@ def test_alibi_training_runs_on_soft_labels():
 def test_trainer_stage2_prior_reads_no_part2_label():
     """The trainable's LP-2ST: with every part-2 label changed, stage 1 (its release and its
     model, hence the stage-2 prior) is identical; only the part-2 release differs."""
-    from dpmech.label_dp import LabelDPConfig, LabelDPTrainer
+    from dpmech.label_dp.trainer import LabelDPConfig, LabelDPTrainer
 
     x, y = _data(150, seed=4)
     cfg = LabelDPConfig(mechanism="lp2st", epsilon=1.0, epochs=3, stage1_epochs=2, batch_size=50, lr=0.05,

@@ -8,14 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dpmech.mechanisms import (
-    add_gaussian_noise,
-    add_laplace_noise,
-    analytic_gaussian_sigma,
-    gaussian_delta,
-    gaussian_sigma,
-    laplace_scale,
-)
+from dpmech.privacy.mechanisms import (add_gaussian_noise, add_laplace_noise, analytic_gaussian_sigma, gaussian_delta,
+                                       gaussian_sigma, laplace_scale)
 from tests.dp_histogram import delta_hat
 
 N = 10**6

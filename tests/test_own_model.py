@@ -121,7 +121,7 @@ def _error(fn, **kw) -> str:
 
 
 def test_loader_subsets_shapes_and_classes(ownpkg):
-    from dpmech.data import input_shape, load_held_out, load_splits, num_classes
+    from dpmech.datasets.splits import input_shape, load_held_out, load_splits, num_classes
 
     ds = "ownpkg_h1.data:load"
     assert input_shape(ds) == (1, 6, 6) and num_classes(ds) == 3
@@ -204,8 +204,8 @@ def test_pixeldp_and_secure_sgd_refuse_a_model_but_take_a_loader(ownpkg):
 
 
 def test_pixeldp_trains_on_a_loader(ownpkg, one_thread):
-    from dpmech.data import load_splits
-    from dpmech.pixeldp import PixelDPConfig, PixelDPTrainer
+    from dpmech.datasets.splits import load_splits
+    from dpmech.pixeldp.trainer import PixelDPConfig, PixelDPTrainer
 
     (x, y), _ = (t.tensors for t in load_splits("ownpkg_h1.data:load", train_size=64, test_size=10))
     trainer = PixelDPTrainer(PixelDPConfig(dataset="ownpkg_h1.data:load", epochs=1, batch_size=32), x, y)
@@ -214,7 +214,7 @@ def test_pixeldp_trains_on_a_loader(ownpkg, one_thread):
 
 
 def test_builtin_networks_on_a_loader_shape(ownpkg):
-    from dpmech.dp_models import build_dp_model
+    from dpmech.networks.dpsgd_models import build_dp_model
 
     assert build_dp_model("pixeldp_cnn", "ownpkg_h1.data:load")(torch.zeros(2, 1, 6, 6)).shape == (2, 3)
     with pytest.raises(ValueError, match="^model: 'tb_cnn' is defined for 28 x 28 and 32 x 32 images"):
@@ -222,7 +222,7 @@ def test_builtin_networks_on_a_loader_shape(ownpkg):
 
 
 def test_user_model_is_seeded_and_source_hashed(ownpkg):
-    from dpmech.user_code import build_model, source_params
+    from dpmech.datasets.user_code import build_model, source_params
 
     a, b, c = (build_model("ownpkg_h1.nets:mlp", (1, 6, 6), 3, seed=s) for s in (1, 1, 2))
     assert torch.equal(a[1].weight, b[1].weight) and not torch.equal(a[1].weight, c[1].weight)
@@ -236,7 +236,7 @@ def test_label_dp_trains_a_user_model(ownpkg, one_thread):
 
     cfg = validate_config({"dataset": "ownpkg_h1.data:load", "train_size": 100, "model": "ownpkg_h1.nets:mlp",
                            "epochs": 1, "mechanism": "rr", "epsilon": 2.0}, LabelDPTrialConfig)
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
 
     (x, y), _ = (t.tensors for t in load_splits(cfg.dataset, train_size=100, test_size=10))
     mech = LabelDPMechanism(cfg, x, y, torch.device("cpu"))

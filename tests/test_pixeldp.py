@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from dpmech.mechanisms import analytic_gaussian_sigma, gaussian_sigma
-from dpmech.models import PixelDPCNN, PixelDPWideResNet, build_pixeldp_model
-from dpmech.noise_layer import BoundedConv2d, NoiseLayer, exact_sensitivity, pixeldp_noise_scale
-from dpmech.pixeldp import PixelDPConfig, PixelDPTrainer, guarantee_epsilon
+from dpmech.privacy.mechanisms import analytic_gaussian_sigma, gaussian_sigma
+from dpmech.networks.pixeldp import PixelDPCNN, PixelDPWideResNet, build_pixeldp_model
+from dpmech.robustness.noise_layer import BoundedConv2d, NoiseLayer, exact_sensitivity, pixeldp_noise_scale
+from dpmech.pixeldp.trainer import PixelDPConfig, PixelDPTrainer, guarantee_epsilon
 
 
 def test_noise_scale_follows_the_reference_formula():
@@ -138,7 +138,7 @@ def test_config_rejects_bad_values(field, value, match):
 
 
 def test_certify_rejects_wrong_image_shape():
-    from dpmech.certify import certify
+    from dpmech.robustness.certification import certify
 
     with pytest.raises(ValueError, match="x must hold images of shape"):
         certify(PixelDPCNN(0.1), torch.zeros(2, 3, 32, 32), torch.zeros(2, dtype=torch.long), n=2)
@@ -151,8 +151,8 @@ def test_trainer_rejects_wrong_image_shape():
 
 @pytest.mark.slow
 def test_pixeldp_reaches_90_percent_on_a_real_mnist_subset():
-    from dpmech.certify import certify
-    from dpmech.data import load_splits
+    from dpmech.robustness.certification import certify
+    from dpmech.datasets.splits import load_splits
 
     train, test = load_splits("mnist", train_size=5000, test_size=1000, seed=0)
     tr = PixelDPTrainer(PixelDPConfig(epochs=4, batch_size=64, lr=1e-3, seed=0), *train.tensors)

@@ -13,8 +13,8 @@ import typing
 import pytest
 from pydantic import ValidationError
 
-import dpmech.dp_merf
-import dpmech.dpsgd
+import dpmech.dp_merf.trainer
+import dpmech.dpsgd.trainer
 import dpmech.dpgan.config
 from trainables.registry import REGISTRY
 
@@ -31,8 +31,8 @@ def _fast_calibration(monkeypatch):
         digest = hashlib.sha256(repr((args, sorted(kwargs.items()))).encode()).digest()
         return 0.5 + int.from_bytes(digest[:6], "big") / 2 ** 48
 
-    monkeypatch.setattr(dpmech.dpsgd, "calibrated_noise_multiplier", stand_in)
-    for module in (dpmech.dpgan.config, dpmech.dp_merf):
+    monkeypatch.setattr(dpmech.dpsgd.trainer, "calibrated_noise_multiplier", stand_in)
+    for module in (dpmech.dpgan.config, dpmech.dp_merf.trainer):
         monkeypatch.setattr(module, "noise_multiplier_for", stand_in)
 
 

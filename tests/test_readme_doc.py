@@ -40,7 +40,7 @@ def test_every_python_block_of_the_readme_is_executed_here():
 
 
 def _user_env(home: Path, ray_tmp: Path) -> dict:
-    from dpmech.data import data_root
+    from dpmech.datasets.splits import data_root
 
     env = {k: v for k, v in os.environ.items()
            if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "RAY_ADDRESS",

@@ -1,4 +1,4 @@
-"""ScatterNet features (dpmech.scatternet) and the classifiers on them (dpmech.dp_models): the
+"""ScatterNet features (dpmech.networks.scatternet) and the classifiers on them (dpmech.networks.dpsgd_models): the
 features are kymatio's, the order-0 channel is the Gaussian low-pass average (checked by hand),
 the disk cache round-trips, recovers from corrupt or partial files and serialises concurrent
 writers, the models train with every clipping engine to the same clipped sum, the trial keys are
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dpmech.scatternet as sn
-from dpmech.dp_models import FEATURE_MODELS, build_dp_model, build_feature_model
+import dpmech.networks.scatternet as sn
+from dpmech.networks.dpsgd_models import FEATURE_MODELS, build_dp_model, build_feature_model
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Full backward hook is firing"), pytest.mark.usefixtures("one_thread")]
 
@@ -233,7 +233,7 @@ def _per_example_clipped_sum(model, x, y, c):
 
 @pytest.mark.parametrize("name", FEATURE_MODELS)
 def test_bk_clipped_sum_on_feature_models_equals_the_reference_in_float64(name):
-    from dpmech.clipping import BookKeeper
+    from dpmech.privacy.clipping import BookKeeper
 
     model = build_feature_model(name, (81, 7, 7), 10, seed=2).double()
     g = torch.Generator().manual_seed(0)
@@ -257,7 +257,7 @@ def test_bk_clipped_sum_on_feature_models_equals_the_reference_in_float64(name):
 
 @pytest.mark.parametrize("name", FEATURE_MODELS)
 def test_engines_take_the_same_step_and_a_few_dp_steps_learn(name):
-    from dpmech.dpsgd import DPSGDConfig, DPSGDTrainer
+    from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, 81, 7, 7, generator=g)
@@ -376,9 +376,9 @@ TINY = {"trainable": "dpsgd", "dataset": "mnist", "train_size": 512, "test_size"
 def test_tiny_scatternet_trial_end_to_end(monkeypatch, tmp_path):
     """Through the trainable function: trains on cached features, reports the planned epsilon,
     and its accuracy is the deployed model's (scattering + classifier on the test images)."""
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
     from trainables.dpsgd import DPSGDMechanism, DPSGDTrialConfig, privacy_event
-    from dpmech.accounting import epsilon as event_epsilon
+    from dpmech.privacy.accounting import epsilon as event_epsilon
 
     monkeypatch.setattr(sn, "cache_root", lambda: tmp_path)
     results = _run(monkeypatch, TINY)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from dpmech.certify import certify
-from dpmech.hgm import agm_sigma, egm_sigma, redistribution_vector
-from dpmech.mechanisms import gaussian_delta
-from dpmech.secure_sgd import (HeterogeneousNoiseLayer, NoiseFree, SecureSGDConfig, SecureSGDTrainer,
-                               build_secure_sgd_model, robustness_noise_scale, whitened_sensitivity)
+from dpmech.robustness.certification import certify
+from dpmech.secure_sgd.hgm import agm_sigma, egm_sigma, redistribution_vector
+from dpmech.privacy.mechanisms import gaussian_delta
+from dpmech.secure_sgd.trainer import (HeterogeneousNoiseLayer, NoiseFree, SecureSGDConfig, SecureSGDTrainer,
+                                       build_secure_sgd_model, robustness_noise_scale, whitened_sensitivity)
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("one_thread")]
@@ -150,7 +150,7 @@ def test_redistribution_recalibrates_and_keeps_the_guarantee():
 
 
 def test_short_mnist_run_beats_chance_and_certifies():
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
 
     train, test = load_splits("mnist", train_size=600, test_size=200, seed=0)
     (x, y), (xt, yt) = train.tensors, test.tensors

@@ -1,6 +1,6 @@
 """Issue 24, point 12 (and the Tuner-metric part of point 3): dp-accounting's convergence
 warnings stay off the console; ``dpsweep mechanisms`` describes dpsgd's default clipping and
-shows ``Annotated`` types in words; ``dpmech.certify(...)`` is callable; ``trials.csv`` spells
+shows ``Annotated`` types in words; ``dpmech.certify(...)`` is a function; ``trials.csv`` spells
 booleans ``true``/``false``; a final metric works as a Tuner metric and an Optuna objective."""
 
 from __future__ import annotations
@@ -58,14 +58,12 @@ def test_mechanisms_dpsgd_names_the_default_clipping_and_shows_bounds_in_words(c
     assert "Annotated" not in out and "FieldInfo" not in out
 
 
-def test_dpmech_certify_is_callable_and_still_a_module():
+def test_dpmech_certify_is_a_function():
     import dpmech
-    import dpmech.certify as certify_module
-    from dpmech.certify import certify, certify_counts
-    from dpmech.noise_layer import NoiseLayer  # noqa: F401 - public names still load
+    from dpmech.robustness.certification import certify, certify_counts
+    from dpmech.robustness.noise_layer import NoiseLayer  # noqa: F401 - public names still load
 
-    assert dpmech.certify is certify_module and callable(dpmech.certify)
-    assert certify_module.certify is certify and callable(certify_counts)
+    assert dpmech.certify is certify and callable(certify_counts)
 
     class Noisy(torch.nn.Module):
         def __init__(self):
@@ -149,17 +147,17 @@ def test_final_metric_optuna_search_skips_per_epoch_results():
     assert _final_metric_optuna() is FinalMetricOptunaSearch  # the CLI's searcher is the public one
 
 
-def test_dpmech_audit_is_callable_like_certify():
-    """``dpmech.audit(scores, included)`` runs the audit (the module no longer shadows the function)."""
+def test_dpmech_audit_is_a_function_like_certify():
+    """``dpmech.audit(scores, included)`` runs the one-run audit."""
     import numpy as np
 
     import dpmech
-    import dpmech.audit as audit_module
+    from dpmech.privacy.audit import one_run as audit_module
 
     rng = np.random.default_rng(0)
     included = rng.random(200) < 0.5
     scores = included * 3.0 + rng.normal(size=200)
-    assert dpmech.audit is audit_module and callable(dpmech.audit)
+    assert dpmech.audit is audit_module.audit
     out = dpmech.audit(scores, included, guess_fraction=0.2, beta=0.05, delta=0.0)
     assert out == audit_module.audit(scores, included, guess_fraction=0.2, beta=0.05, delta=0.0)
     assert out["epsilon_lower_bound"] > 0

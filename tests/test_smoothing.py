@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 from scipy.stats import binom
 
-from dpmech import smoothing
-from dpmech.certify import certify as pixeldp_certify
-from dpmech.noise_layer import NoiseLayer
+from dpmech.robustness import smoothing
+from dpmech.robustness.certification import certify as pixeldp_certify
+from dpmech.robustness.noise_layer import NoiseLayer
 
 SIGMA = 0.25
 
@@ -212,7 +212,7 @@ def test_smoothing_certifies_at_least_the_pixeldp_bound_for_the_same_budget():
 @pytest.fixture(scope="module")
 def pixeldp_input_noise():
     """A PixelDP CNN with Gaussian noise on its input, trained one epoch on 512 MNIST images."""
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
     from trainables.config import PixelDPTrialConfig
     from trainables.pixeldp import PixelDPMechanism
 

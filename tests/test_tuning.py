@@ -1,4 +1,4 @@
-"""dpmech.tuning: the end-to-end epsilon of private hyperparameter selection (Papernot & Steinke
+"""dpmech.privacy.tuning: the end-to-end epsilon of private hyperparameter selection (Papernot & Steinke
 2022) against dp-accounting, and the distribution of the number of trials."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from dp_accounting import dp_event as dpe
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy.stats import chisquare
 
-from dpmech.accounting import epsilon, rdp_curve, subsampled_gaussian_event
-from dpmech.tuning import (draw_num_trials, num_trials_pmf, repeat_and_select_epsilon, tuning_epsilon, tuning_shape,
-                           worst_case_rdp)
+from dpmech.privacy.accounting import epsilon, rdp_curve, subsampled_gaussian_event
+from dpmech.privacy.tuning import (draw_num_trials, num_trials_pmf, repeat_and_select_epsilon, tuning_epsilon,
+                                   tuning_shape, worst_case_rdp)
 
 # One DP-SGD run (q = 256/50000, sigma = 1.1, 5,850 steps) has epsilon 1.989 at delta 1e-5; the
 # best of K runs with E[K] = 20 costs (dp-accounting's RDP accountant):

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from dpmech.accounting import epsilon, subsampled_gaussian_event
-from dpmech.tuning import num_trials_pmf, tuning_epsilon, worst_case_rdp
+from dpmech.privacy.accounting import epsilon, subsampled_gaussian_event
+from dpmech.privacy.tuning import num_trials_pmf, tuning_epsilon, worst_case_rdp
 from sweeps.spec import SpecError, expand_trials, validate_spec
 from sweeps.tuning import best_row, tuning_summary
 from trainables.registry import REGISTRY

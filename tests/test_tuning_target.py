@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpmech.tuning import repeat_and_select_epsilon
+from dpmech.privacy.tuning import repeat_and_select_epsilon
 from sweeps.spec import SpecError, expand_trials, validate_spec
 from sweeps.tuning import tuning_summary
 

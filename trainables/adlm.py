@@ -56,7 +56,7 @@ class AdLMTrialConfig(CommonConfig):
 
     @model_validator(mode="after")
     def _mechanism_rules(self):
-        """Cross-key rules (the same as ``dpmech.adlm.AdLMConfig.validate``, without importing torch)."""
+        """Cross-key rules (the same as ``dpmech.adlm.config.AdLMConfig.validate``, without importing torch)."""
         if any(f <= 0 for f in self.budget_split) or abs(sum(self.budget_split) - 1.0) > 1e-9:
             raise ValueError(f"budget_split must hold 3 positive fractions adding up to 1, got {self.budget_split}")
         if self.train_size is not None and self.batch_size > self.train_size:
@@ -65,8 +65,8 @@ class AdLMTrialConfig(CommonConfig):
 
 
 def adlm_config(cfg: AdLMTrialConfig):
-    """The dpmech configuration (``dpmech.adlm.AdLMConfig``) of a trial."""
-    from dpmech.adlm import AdLMConfig
+    """The dpmech configuration (``dpmech.adlm.config.AdLMConfig``) of a trial."""
+    from dpmech.adlm.config import AdLMConfig
 
     return AdLMConfig(
         dataset=cfg.dataset, epsilon=cfg.epsilon,
@@ -82,7 +82,7 @@ def public_relevance_data(cfg: AdLMTrialConfig, x_train):
     canary), chosen with ``data_seed``; returns (x, y) tensors."""
     import torch
 
-    from dpmech.data import load_held_out, subset_indices
+    from dpmech.datasets.splits import load_held_out, subset_indices
 
     try:
         pool = load_held_out(cfg.dataset, train_size=cfg.train_size, test_size=cfg.test_size, seed=cfg.data_seed)
@@ -103,11 +103,11 @@ def public_relevance_data(cfg: AdLMTrialConfig, x_train):
 @lru_cache(maxsize=None)
 def _mechanism_class():
     """``AdLMMechanism``, built on first use (it subclasses the runtime's ``TrainerMechanism``)."""
-    from dpmech.adlm import AdLMTrainer
+    from dpmech.adlm.trainer import AdLMTrainer
     from trainables.runtime import TrainerMechanism
 
     class AdLMMechanism(TrainerMechanism):
-        """Adapter from the trial config to ``dpmech.adlm.AdLMTrainer``."""
+        """Adapter from the trial config to ``dpmech.adlm.trainer.AdLMTrainer``."""
 
         def __init__(self, cfg: AdLMTrialConfig, x, y, device):
             rel = public_relevance_data(cfg, x) if cfg.relevance_source == "public" else None

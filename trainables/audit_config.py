@@ -4,9 +4,9 @@
             direction: dirac, guess_fraction: 0.1}
 
 * ``mode``: ``whitebox`` -- gradient canaries inside the DP-SGD engine, scored from every noisy
-  update (:mod:`dpmech.audit_whitebox`; trainables built on that engine: dpsgd, dpal_sound,
+  update (:mod:`dpmech.privacy.audit.whitebox`; trainables built on that engine: dpsgd, dpal_sound,
   secure_sgd; and dpgan, whose critic takes the same clipped, noisy steps) -- or ``blackbox`` --
-  canary images with wrong labels, scored from the final model (:mod:`dpmech.audit`; every
+  canary images with wrong labels, scored from the final model (:mod:`dpmech.privacy.audit.one_run`; every
   trainable that protects its training examples).
 * ``canaries``: m >= 1.
 * ``estimator``: one name or a list of ``steinke`` (Steinke et al. 2023), ``fdp`` (Mahloujifar
@@ -112,12 +112,12 @@ def check(cfg) -> None:
 
 
 def whitebox_canaries(cfg):
-    """The :class:`dpmech.audit_whitebox.WhiteBoxCanaries` of a trial with a white-box audit
+    """The :class:`dpmech.privacy.audit.whitebox.WhiteBoxCanaries` of a trial with a white-box audit
     (None otherwise), seeded from the trial's seed (a restored trial has the same canaries)."""
     s = settings(cfg)
     if s is None or s.mode != "whitebox":
         return None
-    from dpmech.audit_whitebox import WhiteBoxCanaries
+    from dpmech.privacy.audit.whitebox import WhiteBoxCanaries
 
     return WhiteBoxCanaries(s.canaries, seed=cfg.seed, direction=s.direction, statistic=s.statistic)
 

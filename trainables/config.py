@@ -81,11 +81,11 @@ class CommonConfig(BaseModel):
     @classmethod
     def _dataset(cls, value: str):
         """A named dataset, or (where the mechanism takes one) a loader's import path, imported,
-        called once per process and checked (dpmech.user_code.load_dataset)."""
+        called once per process and checked (dpmech.datasets.user_code.load_dataset)."""
         names = ("mnist", "fashion_mnist", "cifar10")
         if value in names:
             return value
-        from dpmech.user_code import is_import_path
+        from dpmech.datasets.user_code import is_import_path
 
         if not is_import_path(value):
             raise ValueError(f"must be one of {', '.join(map(repr, names))}; got {value!r} (or your loader's "
@@ -94,7 +94,7 @@ class CommonConfig(BaseModel):
             raise ValueError(f"this mechanism builds its networks per named dataset: one of "
                              f"{', '.join(map(repr, names))} (a loader such as {value!r} is taken by dpsgd, "
                              f"dpal_sound, label_dp, pixeldp and secure_sgd)")
-        from dpmech.user_code import load_dataset
+        from dpmech.datasets.user_code import load_dataset
 
         try:
             load_dataset(value)
@@ -149,7 +149,7 @@ class CommonConfig(BaseModel):
             raise ValueError(f"{field}: this mechanism gives no privacy guarantee for its training examples, "
                              "there is no claim to audit")
         if audit and "steinke" in audit.estimator and getattr(self, "privacy_delta_key", "delta"):
-            from dpmech.audit import audit_possible, guess_counts
+            from dpmech.privacy.audit.one_run import audit_possible, guess_counts
 
             key = getattr(self, "privacy_delta_key", "delta")
             m, delta, beta = audit.canaries, float(getattr(self, key, 0.0) or 0.0), audit.beta
@@ -201,7 +201,7 @@ class CommonConfig(BaseModel):
 def check_user_model(path: str, info, *, bk: bool = False, trainable: str = "", outputs: int | None = None) -> None:
     """Validation of a ``model`` import path against the trial's dataset (``info.data``): importable,
     builds an ``nn.Module`` for the dataset's shape and classes, one forward pass; with ``bk``,
-    every parameterised layer is one book-keeping clipping handles (dpmech.clipping). ``outputs``
+    every parameterised layer is one book-keeping clipping handles (dpmech.privacy.clipping). ``outputs``
     overrides the number of classes (1 for a regression head). Cached per (path, dataset, bk,
     outputs) so validating many trials builds the model once."""
     dataset = info.data.get("dataset")
@@ -214,13 +214,13 @@ def check_user_model(path: str, info, *, bk: bool = False, trainable: str = "", 
 
 @functools.lru_cache(maxsize=64)
 def _user_model_problem(path: str, dataset: str, bk: bool, trainable: str, outputs: int | None) -> str | None:
-    from dpmech.data import input_shape, num_classes
-    from dpmech.user_code import build_model
+    from dpmech.datasets.splits import input_shape, num_classes
+    from dpmech.datasets.user_code import build_model
 
     try:
         model = build_model(path, input_shape(dataset), outputs or num_classes(dataset), 0)
         if bk:
-            from dpmech.clipping import check_model
+            from dpmech.privacy.clipping import check_model
 
             check_model(model)
     except ValueError as exc:

@@ -1,7 +1,7 @@
 """The ``dp_merf`` trainable: DP-MERF (Harder et al. 2021) under Ray Tune.
 
 Every key and its default: ``DPMERFTrialConfig`` below (``dpsweep mechanisms``). The mechanism is
-``dpmech.dp_merf``; its decisions are in docs/dp_merf.md. The training data is read once, when the
+``dpmech.dp_merf.trainer``; its decisions are in docs/dp_merf.md. The training data is read once, when the
 trial is built (the noisy mean embedding); the epochs train the generator on that release only.
 Evaluation as for ``dpgan``: ``acc_clean`` is the train-on-synthetic, test-on-real accuracy ``tstr_acc``.
 """
@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar
 import torch
 from pydantic import Field, model_validator
 
-from dpmech.dp_merf import PAPER_LENGTHSCALE, DPMERFConfig, DPMERFTrainer, planned_event
+from dpmech.dp_merf.trainer import PAPER_LENGTHSCALE, DPMERFConfig, DPMERFTrainer, planned_event
 from dpmech.dpgan.evaluate import evaluate_samples, sample_grid
 from trainables.config import CommonConfig
 from trainables.dpgan import judge_data
@@ -74,7 +74,7 @@ def privacy_event(cfg: DPMERFTrialConfig):
 
 
 class DPMERFMechanism(TrainerMechanism):
-    """Adapter from the trial config to ``dpmech.dp_merf.DPMERFTrainer``."""
+    """Adapter from the trial config to ``dpmech.dp_merf.trainer.DPMERFTrainer``."""
 
     def __init__(self, cfg: DPMERFTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
         self.cfg = cfg
@@ -95,7 +95,7 @@ class DPMERFMechanism(TrainerMechanism):
     def membership_scores(self, x: torch.Tensor, y: torch.Tensor):
         """Similarity of each (x, y) to the released mean embedding (<phi(x) e_y^T, mu~>): the
         natural membership score of a mean-embedding release (privacy audit)."""
-        from dpmech.dp_merf import embedding_sum
+        from dpmech.dp_merf.trainer import embedding_sum
 
         tr = self.trainer
         with torch.no_grad():

@@ -16,7 +16,7 @@ import torch
 from dpmech.dpal.config import DPALConfig
 from dpmech.dpal.trainer import DPALTrainer
 from dpmech.dpal.verify import conventional_accuracy_under_attack, verified_inference
-from dpmech.evaluation import format_size, metric_name
+from dpmech.robustness.evaluation import format_size, metric_name
 from trainables.config import DPALTrialConfig
 from trainables.runtime import TrainerMechanism, run_trial
 
@@ -31,7 +31,7 @@ def dpal_config(cfg: DPALTrialConfig) -> DPALConfig:
 
 
 class DPALMechanism(TrainerMechanism):
-    """Adapter from the trial config to ``dpmech.dpal.DPALTrainer``."""
+    """Adapter from the trial config to ``dpmech.dpal.trainer.DPALTrainer``."""
 
     def __init__(self, cfg: DPALTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
         self.trainer = DPALTrainer(dpal_config(cfg), x, y, device=device)

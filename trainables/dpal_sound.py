@@ -1,4 +1,4 @@
-"""The ``dpal_sound`` trainable: a sound DPAL (dpmech.dpal_sound) under Ray Tune.
+"""The ``dpal_sound`` trainable: a sound DPAL (dpmech.dpal_sound.trainer) under Ray Tune.
 
 DP-SGD (Poisson sampling, per-example clipping, RDP/PLD ledger) on DPAL's adversarial objective,
 the benign and the adversarial pass of each example clipped together; Gaussian input noise
@@ -41,7 +41,7 @@ class DPALSoundTrialConfig(CommonConfig):
     lr: float = Field(0.5, gt=0, allow_inf_nan=False, description="learning rate")
     lr_schedule: Literal["constant", "cosine", "step"] = Field("constant", description="learning-rate schedule (as dpsgd)")
     model: Literal["tb_cnn_gn", "tb_cnn", "pixeldp_cnn"] | str = Field(
-        "tb_cnn_gn", description="network (dpmech.dp_models); tb_cnn_gn = Tramer & Boneh's tanh CNN with GroupNorm; or "
+        "tb_cnn_gn", description="network (dpmech.networks.dpsgd_models); tb_cnn_gn = Tramer & Boneh's tanh CNN with GroupNorm; or "
                                  "your factory's import path 'package.module:factory' (docs/own_model.md; its layers "
                                  "must be ones book-keeping clipping handles)")
     optimizer: Literal["sgd", "adam"] = Field("sgd", description="optimizer applied to the noisy gradient")
@@ -99,7 +99,7 @@ class DPALSoundTrialConfig(CommonConfig):
 
 def sound_config(cfg: DPALSoundTrialConfig):
     """The dpmech configuration of a trial."""
-    from dpmech.dpal_sound import DPALSoundConfig
+    from dpmech.dpal_sound.trainer import DPALSoundConfig
 
     return DPALSoundConfig(epsilon=cfg.epsilon, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
                            batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr, lr_schedule=cfg.lr_schedule,
@@ -110,7 +110,7 @@ def sound_config(cfg: DPALSoundTrialConfig):
 
 
 def planned_train_size(cfg: DPALSoundTrialConfig) -> int:
-    from dpmech.dpsgd import FULL_TRAIN_SIZES
+    from dpmech.dpsgd.trainer import FULL_TRAIN_SIZES
 
     return int(cfg.train_size) if cfg.train_size is not None else FULL_TRAIN_SIZES[cfg.dataset]
 
@@ -118,7 +118,7 @@ def planned_train_size(cfg: DPALSoundTrialConfig) -> int:
 def privacy_event(cfg: DPALSoundTrialConfig):
     """The dp-accounting event of one trial, planned from its config (what the ledger records when
     the trial runs to the end)."""
-    from dpmech.dpsgd import plan
+    from dpmech.dpsgd.trainer import plan
 
     return plan(sound_config(cfg), planned_train_size(cfg)).dp_event()
 
@@ -130,13 +130,13 @@ PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "datas
 def _mechanism_class():
     import torch
 
-    from dpmech.dpal_sound import DPALSoundTrainer, NoisyClassifier, evaluate
-    from dpmech.dpsgd import build_dpsgd_model, stream_seed
+    from dpmech.dpal_sound.trainer import DPALSoundTrainer, NoisyClassifier, evaluate
+    from dpmech.dpsgd.trainer import build_dpsgd_model, stream_seed
     from trainables.audit_config import whitebox_canaries
     from trainables.runtime import TrainerMechanism
 
     class DPALSoundMechanism(TrainerMechanism):
-        """Adapter from the trial config to ``dpmech.dpal_sound.DPALSoundTrainer``."""
+        """Adapter from the trial config to ``dpmech.dpal_sound.trainer.DPALSoundTrainer``."""
 
         def __init__(self, cfg: DPALSoundTrialConfig, x, y, device):
             self.sigma = float(cfg.smoothing_sigma)
@@ -157,7 +157,7 @@ def _mechanism_class():
             return correct / x.shape[0]
 
         def conventional_accuracy(self, x, y, cfg: DPALSoundTrialConfig) -> dict[str, float]:
-            """Every dpal_sound metric (dpmech.dpal_sound.evaluate): smoothed clean accuracy, white-box
+            """Every dpal_sound metric (dpmech.dpal_sound.trainer.evaluate): smoothed clean accuracy, white-box
             EOT attacks on the noisy classifier, randomized-smoothing certificates."""
             return evaluate(self.model, self.sigma, x, y, seed=cfg.seed, predict_n=cfg.n_predict,
                             cert_size=cfg.certify_images, cert_n0=cfg.smoothing_n0, cert_n=cfg.certify_n,

@@ -12,7 +12,8 @@ from typing import Annotated, ClassVar, Literal
 import torch
 from pydantic import Field, model_validator
 
-from dpmech.dpgan import DPGANConfig, DPGANTrainer
+from dpmech.dpgan.config import DPGANConfig
+from dpmech.dpgan.trainer import DPGANTrainer
 from dpmech.dpgan.config import planned_event
 from dpmech.dpgan.evaluate import evaluate_samples, sample_grid
 from trainables.config import CommonConfig
@@ -93,7 +94,7 @@ def privacy_event(cfg: DPGANTrialConfig):
 def judge_data(cfg: DPGANTrialConfig) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Up to ``judge_size`` real examples in neither the training nor the evaluation subset (None
     when the two subsets use everything: then the judge trains on the evaluation set)."""
-    from dpmech.data import load_held_out, subset_indices
+    from dpmech.datasets.splits import load_held_out, subset_indices
 
     try:
         pool = load_held_out(cfg.dataset, train_size=cfg.train_size, test_size=cfg.test_size, seed=cfg.data_seed)
@@ -106,7 +107,7 @@ def judge_data(cfg: DPGANTrialConfig) -> tuple[torch.Tensor, torch.Tensor] | Non
 
 
 class DPGANMechanism(TrainerMechanism):
-    """Adapter from the trial config to ``dpmech.dpgan.DPGANTrainer``."""
+    """Adapter from the trial config to ``dpmech.dpgan.trainer.DPGANTrainer``."""
 
     def __init__(self, cfg: DPGANTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
         from trainables.audit_config import whitebox_canaries

@@ -33,10 +33,10 @@ _IMAGE_CHANNELS = {"mnist": 1, "fashion_mnist": 1, "cifar10": 3}
 
 def model_field(value: str, info, *, bk: bool = False, trainable: str = "") -> str:
     """The ``model`` key: one of :data:`BUILTIN_MODELS`, or an import path 'package.module:factory'
-    whose factory builds a working network for the trial's dataset (dpmech.user_code)."""
+    whose factory builds a working network for the trial's dataset (dpmech.datasets.user_code)."""
     if value in BUILTIN_MODELS:
         return value
-    from dpmech.user_code import is_import_path
+    from dpmech.datasets.user_code import is_import_path
 
     if not is_import_path(value):
         raise ValueError(f"must be one of {', '.join(map(repr, BUILTIN_MODELS))} or an import path "
@@ -64,7 +64,7 @@ class DPSGDTrialConfig(CommonConfig):
         "constant", description="learning-rate schedule over the planned steps: constant; cosine (to 0); "
                                 "step (x0.1 after 1/2 and after 3/4 of the steps)")
     model: Literal["pixeldp_cnn", "tb_cnn", "tb_cnn_gn", "linear", "scatter_cnn"] | str = Field(
-        "pixeldp_cnn", description="network (dpmech.dp_models): pixeldp_cnn = the PixelDP network without its noise "
+        "pixeldp_cnn", description="network (dpmech.networks.dpsgd_models): pixeldp_cnn = the PixelDP network without its noise "
                                    "layer (the DPAL paper's baseline comparison); tb_cnn = Tramer & Boneh 2021's tanh "
                                    "CNN (the published DP-SGD recipes); tb_cnn_gn = tb_cnn with GroupNorm; or your "
                                    "factory's import path 'package.module:factory' (docs/own_model.md); with "
@@ -87,7 +87,7 @@ class DPSGDTrialConfig(CommonConfig):
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False, description="L2 weight decay")
     clipping: Literal["bk", "ghost", "flat"] = Field(
-        "bk", validate_default=True, description="bk: book-keeping clipping, one backward pass (dpmech.clipping; the fastest); "
+        "bk", validate_default=True, description="bk: book-keeping clipping, one backward pass (dpmech.privacy.clipping; the fastest); "
                           "ghost: Opacus ghost clipping (two backward passes); flat: per-example gradients by "
                           "Opacus hooks, then flat clipping (slowest); all three give the same clipped sum")
     noise_augmentation_sigma: float = Field(
@@ -145,8 +145,8 @@ class DPSGDTrialConfig(CommonConfig):
                              "to the features, not the images, so the model would not be a smoothing base classifier")
         channels = _IMAGE_CHANNELS.get(self.dataset)
         if channels is None:                 # a loader's dataset (already loaded by the dataset check)
-            from dpmech.data import input_shape
-            from dpmech.scatternet import check_params
+            from dpmech.datasets.splits import input_shape
+            from dpmech.networks.scatternet import check_params
 
             shape = input_shape(self.dataset)
             check_params(shape, 2, 8, self.input_range)
@@ -164,14 +164,14 @@ class DPSGDTrialConfig(CommonConfig):
 
 def planned_train_size(cfg: DPSGDTrialConfig) -> int:
     """N of the privacy plan: train_size, or the full training split."""
-    from dpmech.dpsgd import FULL_TRAIN_SIZES
+    from dpmech.dpsgd.trainer import FULL_TRAIN_SIZES
 
     return int(cfg.train_size) if cfg.train_size is not None else FULL_TRAIN_SIZES[cfg.dataset]
 
 
 def dpsgd_config(cfg: DPSGDTrialConfig):
     """The dpmech configuration of a trial (one-line ValueError naming the key on a bad value)."""
-    from dpmech.dpsgd import DPSGDConfig
+    from dpmech.dpsgd.trainer import DPSGDConfig
 
     return DPSGDConfig(epsilon=cfg.epsilon, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
                        batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr, lr_schedule=cfg.lr_schedule,
@@ -184,7 +184,7 @@ def dpsgd_config(cfg: DPSGDTrialConfig):
 def privacy_event(cfg: DPSGDTrialConfig):
     """The dp-accounting event of one trial, planned from its config: exactly what the trainer
     records when the trial runs to the end (the same q, sigma and number of steps)."""
-    from dpmech.dpsgd import plan
+    from dpmech.dpsgd.trainer import plan
 
     return plan(dpsgd_config(cfg), planned_train_size(cfg)).dp_event()
 
@@ -197,12 +197,12 @@ def _mechanism_class():
     """``DPSGDMechanism``, built on first use (it subclasses the runtime's ``TrainerMechanism``)."""
     import torch
 
-    from dpmech.dpsgd import DPSGDTrainer, build_dpsgd_model
+    from dpmech.dpsgd.trainer import DPSGDTrainer, build_dpsgd_model
     from trainables.audit_config import whitebox_canaries
     from trainables.runtime import TrainerMechanism
 
     class DPSGDMechanism(TrainerMechanism):
-        """Adapter from the trial config to ``dpmech.dpsgd.DPSGDTrainer``."""
+        """Adapter from the trial config to ``dpmech.dpsgd.trainer.DPSGDTrainer``."""
 
         def __init__(self, cfg: DPSGDTrialConfig, x, y, device):
             self.sigma = float(cfg.noise_augmentation_sigma)
@@ -221,9 +221,9 @@ def _mechanism_class():
         def _scatternet(self, cfg: DPSGDTrialConfig, x, device):
             """(classifier, features of x): the training examples become their cached ScatterNet
             features (same N, so the same q, sigma and steps: the privacy event is unchanged)."""
-            from dpmech.data import num_classes
-            from dpmech.dp_models import build_feature_model
-            from dpmech.scatternet import ScatterNet, scatter_features
+            from dpmech.datasets.splits import num_classes
+            from dpmech.networks.dpsgd_models import build_feature_model
+            from dpmech.networks.scatternet import ScatterNet, scatter_features
 
             self.dataset, self.input_range = cfg.dataset, cfg.input_range
             self.extractor = ScatterNet(tuple(x.shape[1:]), input_range=cfg.input_range).to(device)
@@ -235,7 +235,7 @@ def _mechanism_class():
 
         def _features(self, x):
             """ScatterNet features of evaluation images (disk cache; memo of the last tensor)."""
-            from dpmech.scatternet import scatter_features
+            from dpmech.networks.scatternet import scatter_features
 
             key = (x.data_ptr(), tuple(x.shape), str(x.device))
             if self._feature_memo is None or self._feature_memo[0] != key:
@@ -259,7 +259,7 @@ def _mechanism_class():
             model end to end (gradients through the scattering); without, ``acc_clean`` from the
             cached features of the same images (the same function, computed once)."""
             if cfg.attacks:
-                from dpmech.evaluation import conventional_accuracy
+                from dpmech.robustness.evaluation import conventional_accuracy
 
                 return conventional_accuracy(
                     self.deployed, x, y, attacks=cfg.attacks, norm=cfg.attack_norm, n_predict=cfg.n_predict,

@@ -9,7 +9,7 @@ Use it in your own study::
                                       "epsilon": tune.grid_search([0.1, 1.0, 10.0])}).fit()
 
 Every key and its default: ``LabelDPTrialConfig`` below (``dpsweep mechanisms``). The mechanism
-itself is ``dpmech.label_dp``; the decisions it takes are in docs/label_dp.md.
+itself is ``dpmech.label_dp.release``; the decisions it takes are in docs/label_dp.md.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class LabelDPTrialConfig(CommonConfig):
         """null, or a factory's import path checked against the dataset (one output for regression)."""
         if value is None:
             return value
-        from dpmech.user_code import is_import_path
+        from dpmech.datasets.user_code import is_import_path
 
         if not is_import_path(value):
             raise ValueError(f"must be null (the recipe's network) or an import path 'package.module:factory', "
@@ -98,7 +98,7 @@ class LabelDPTrialConfig(CommonConfig):
 
 def label_dp_config(cfg: LabelDPTrialConfig):
     """The dpmech configuration of a trial."""
-    from dpmech.label_dp import LabelDPConfig
+    from dpmech.label_dp.trainer import LabelDPConfig
 
     return LabelDPConfig(dataset=cfg.dataset, task=cfg.task, mechanism=cfg.mechanism, epsilon=cfg.epsilon,
                          postprocess=cfg.postprocess, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
@@ -109,11 +109,11 @@ def label_dp_config(cfg: LabelDPTrialConfig):
 
 
 class LabelDPMechanism(TrainerMechanism):
-    """Adapter from the trial config to ``dpmech.label_dp.LabelDPTrainer``."""
+    """Adapter from the trial config to ``dpmech.label_dp.trainer.LabelDPTrainer``."""
 
     def __init__(self, cfg: LabelDPTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
-        from dpmech.data import num_classes
-        from dpmech.label_dp import LabelDPTrainer
+        from dpmech.datasets.splits import num_classes
+        from dpmech.label_dp.trainer import LabelDPTrainer
 
         self.trainer = LabelDPTrainer(label_dp_config(cfg), x, y, num_classes=num_classes(cfg.dataset), device=device)
 
@@ -125,7 +125,7 @@ class LabelDPMechanism(TrainerMechanism):
         Regression: ``mse`` of the raw output and ``acc_clean`` of the rounded predictions."""
         if cfg.task == "regression":
             return {"mse": self.trainer.mse(x, y), "acc_clean": self.trainer.accuracy(x, y)}
-        from dpmech.evaluation import conventional_accuracy
+        from dpmech.robustness.evaluation import conventional_accuracy
 
         return conventional_accuracy(self.model, x, y, attacks=cfg.attacks, norm=cfg.attack_norm,
                                      n_predict=cfg.n_predict, eot_samples=cfg.eot_samples, steps=cfg.attack_steps,

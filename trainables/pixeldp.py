@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from dpmech.certify import certify
-from dpmech.pixeldp import PixelDPConfig, PixelDPTrainer
+from dpmech.robustness.certification import certify
+from dpmech.pixeldp.trainer import PixelDPConfig, PixelDPTrainer
 from trainables.config import PixelDPTrialConfig
 from trainables.runtime import TrainerMechanism, run_trial
 
@@ -37,7 +37,7 @@ class _WithoutNoise(torch.nn.Module):
 
 
 class PixelDPMechanism(TrainerMechanism):
-    """Adapter from the trial config to ``dpmech.pixeldp.PixelDPTrainer``."""
+    """Adapter from the trial config to ``dpmech.pixeldp.trainer.PixelDPTrainer``."""
 
     def __init__(self, cfg: PixelDPTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
         self.trainer = PixelDPTrainer(PixelDPConfig(**{k: getattr(cfg, k) for k in _TRAINER_KEYS}), x, y,

@@ -150,7 +150,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
     """
     from ray import tune
 
-    from dpmech.data import load_splits
+    from dpmech.datasets.splits import load_splits
     from trainables.artifacts import log_final_artifacts
     from trainables.diagnostics import FINAL_DIAGNOSTICS, TAG_DIAGNOSTICS, diagnostic_names, drop, epoch_diagnostics
     from trainables.tracking import TAG_DEVICE, TrialTracker, run_name
@@ -188,7 +188,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         tracker = TrialTracker.open(info, trial_id=ctx.get_trial_id(), trial_name=name,
                                     trainable=trainable, run_id=meta.get("mlflow_run_id"))
         meta["mlflow_run_id"] = tracker.run_id
-        from dpmech.user_code import source_params  # a user's model/dataset: its source's hash (this attempt's: tags)
+        from dpmech.datasets.user_code import source_params  # a user's model/dataset: its source's hash (this attempt's: tags)
 
         digests = source_params(dumped)
         logged = [m for m in ("train_loss", *FINAL_DIAGNOSTICS) if m in diagnostic_names(schema)]
@@ -263,7 +263,7 @@ def evaluate_smoothing(mech: Mechanism, cfg: CommonConfig, x: torch.Tensor, y: t
     ``certify_n`` estimation draws at ``smoothing_alpha``, and PREDICT with ``certify_n`` draws, on
     the same images; each from its own generator seeded from the trial's seed. Returns the
     ``SmoothingResult`` (PREDICT's answers in ``smoothed_prediction``) and its metrics."""
-    from dpmech import smoothing
+    from dpmech.robustness import smoothing
 
     base, sigma = smoothing_classifier(mech, cfg)
     param = next(base.parameters(), None)
@@ -283,15 +283,16 @@ def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Ten
 
     A mechanism whose predictions are not its model's plain forward pass (DPAL's verified
     inference) provides ``conventional_accuracy(x, y, cfg)``; the others use
-    ``dpmech.evaluation.conventional_accuracy`` on ``mech.model``. Both attack the labels
+    ``dpmech.robustness.evaluation.conventional_accuracy`` on ``mech.model``. Both attack the labels
     ``cfg.attack_labels`` names (true by default). ``not_learned`` (docs/metrics.md) comes from
     ``acc_clean`` (or ``mse``); ``loss_near_chance``, a hint only, from ``train_loss``, the last
     epoch's training loss. ``cfg.certifier``
     selects the mechanism's own certifier (``final["certification"]``, ``cert_acc_<size>``),
     randomized smoothing (``final["smoothing"]``, ``smooth_*`` metrics) or both.
     """
-    from dpmech.data import num_classes
-    from dpmech.evaluation import certified_accuracy_curve, conventional_accuracy, did_not_learn, loss_near_chance
+    from dpmech.datasets.splits import num_classes
+    from dpmech.robustness.evaluation import (certified_accuracy_curve, conventional_accuracy, did_not_learn,
+                                              loss_near_chance)
 
     if hasattr(mech, "conventional_accuracy"):
         metrics = mech.conventional_accuracy(xt, yt, cfg)
@@ -329,8 +330,8 @@ def audit_canaries(cfg: CommonConfig, device: torch.device):
     s = audit_settings(cfg)
     if s is None or s.mode != "blackbox":   # white-box canaries live in the engine (trainables.audit_config)
         return None
-    from dpmech.audit import make_canaries
-    from dpmech.data import load_held_out, num_classes
+    from dpmech.privacy.audit.one_run import make_canaries
+    from dpmech.datasets.splits import load_held_out, num_classes
 
     pool = load_held_out(cfg.dataset, train_size=cfg.train_size, test_size=cfg.test_size, seed=cfg.data_seed)
     x, y = pool.tensors
@@ -352,7 +353,8 @@ def run_audit(mech, canaries, cfg: CommonConfig, delta: float, claim: float | No
     (``mech.trainer.canaries``) scored from every noisy update. Black-box: the mechanism's
     ``membership_scores`` (its own notion of fit, e.g. a GAN critic's score) or the negative loss
     of its classifier; the flat ``audit_canaries`` keys also report ``epsilon_lower_bound``."""
-    from dpmech.audit import loss_scores, run_estimators
+    from dpmech.privacy.audit.one_run import loss_scores
+    from dpmech.privacy.audit.estimators import run_estimators
 
     s = audit_settings(cfg)
     opts = dict(estimators=s.estimator, beta=s.beta, delta=float(delta), guess_fraction=s.guess_fraction, claim=claim)

@@ -87,14 +87,14 @@ class SecureSGDAGMTrialConfig(SecureSGDTrialConfig):
 
 
 def planned_train_size(cfg: SecureSGDTrialConfig) -> int:
-    from dpmech.dpsgd import FULL_TRAIN_SIZES
+    from dpmech.dpsgd.trainer import FULL_TRAIN_SIZES
 
     return int(cfg.train_size) if cfg.train_size is not None else FULL_TRAIN_SIZES[cfg.dataset]
 
 
 def secure_sgd_config(cfg: SecureSGDTrialConfig):
     """The dpmech configuration of a trial."""
-    from dpmech.secure_sgd import SecureSGDConfig
+    from dpmech.secure_sgd.trainer import SecureSGDConfig
 
     return SecureSGDConfig(
         dataset=cfg.dataset, mechanism=type(cfg).mechanism, epsilon=cfg.epsilon, delta=cfg.delta,
@@ -107,7 +107,7 @@ def secure_sgd_config(cfg: SecureSGDTrialConfig):
 def privacy_event(cfg: SecureSGDTrialConfig):
     """The dp-accounting event of one trial planned from its config (the DP-SGD steps; the noise
     layer adds no privacy cost for the training data: its noise is not a function of the data)."""
-    from dpmech.dpsgd import plan
+    from dpmech.dpsgd.trainer import plan
 
     return plan(secure_sgd_config(cfg).dpsgd_config(), planned_train_size(cfg)).dp_event()
 
@@ -118,13 +118,13 @@ PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "datas
 @lru_cache(maxsize=None)
 def _mechanism_class():
     """``SecureSGDMechanism``, built on first use (it subclasses the runtime's ``TrainerMechanism``)."""
-    from dpmech.certify import certify
-    from dpmech.secure_sgd import SecureSGDTrainer
+    from dpmech.robustness.certification import certify
+    from dpmech.secure_sgd.trainer import SecureSGDTrainer
     from trainables.audit_config import whitebox_canaries
     from trainables.runtime import TrainerMechanism
 
     class SecureSGDMechanism(TrainerMechanism):
-        """Adapter from the trial config to ``dpmech.secure_sgd.SecureSGDTrainer``."""
+        """Adapter from the trial config to ``dpmech.secure_sgd.trainer.SecureSGDTrainer``."""
 
         def __init__(self, cfg: SecureSGDTrialConfig, x, y, device):
             self.trainer = SecureSGDTrainer(secure_sgd_config(cfg), x, y, device=device,
@@ -137,7 +137,7 @@ def _mechanism_class():
 
         def certify(self, x, y, cfg):
             """PixelDP certification of the whitened model (scale = base sigma, whitened sensitivity)."""
-            from dpmech.secure_sgd import whitened_sensitivity
+            from dpmech.secure_sgd.trainer import whitened_sensitivity
 
             if cfg.certify_exact_sensitivity:
                 sens = whitened_sensitivity(self.model)

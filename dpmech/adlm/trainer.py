@@ -36,7 +36,7 @@ from dpmech.adlm.config import AdLMConfig
 from dpmech.adlm.relevance import average_relevance, train_relevance_net
 from dpmech.dpal.model import ARCHITECTURES, DPALNet
 from dpmech.dpal.objectives import dp_taylor_loss
-from dpmech.mechanisms import laplace_noise
+from dpmech.privacy.mechanisms import laplace_noise
 from dpmech._validate import matching_checkpoint
 
 

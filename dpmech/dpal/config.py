@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dpmech import _validate as v
-from dpmech.attacks import ALIASES
+from dpmech.robustness.attacks import ALIASES
 from dpmech.dpal.budget import Budget, delta_l2, delta_r, dpal_budget, noise_scales, NoiseScales
 from dpmech.dpal.model import ARCHITECTURES
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dpmech import _validate as v
-from dpmech.mechanisms import laplace_noise
+from dpmech.privacy.mechanisms import laplace_noise
 
 
 @dataclass

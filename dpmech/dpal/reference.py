@@ -439,7 +439,7 @@ class ReferenceTrainer:
         #(robust and correct) / N (line 802). Keys: ``ref_acc_clean``, ``ref_acc_<attack>_<size>``,
         ``ref_cert_acc_<attack>_<size>`` (the first upload's certificate, Fig. 6) and
         ``ref_cert_head_acc_<attack>_<size>`` (HEAD's)."""
-        from dpmech.evaluation import metric_name
+        from dpmech.robustness.evaluation import metric_name
 
         g = torch.Generator().manual_seed(int(seed) * 1000 + 17)
         nz = self.noise

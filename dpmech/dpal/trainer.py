@@ -26,7 +26,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from dpmech.attacks import ifgsm, mim, pgd
+from dpmech.robustness.attacks import ifgsm, mim, pgd
 from dpmech.dpal.budget import Budget, laplace_epsilon
 from dpmech.dpal.config import DPALConfig
 from dpmech.dpal.model import DPALNet

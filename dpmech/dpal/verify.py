@@ -7,7 +7,7 @@ For each input x:
    fresh Laplace noise of scales b_x/psi on the input and b_h/psi on h (``noise.PsiNoisyScorer``);
    the expected scores are bounded with eta-confidence (Hoeffding on the softmax scores, as the
    paper says, or Clopper-Pearson on argmax counts, as the reference code does; both Bonferroni over
-   the K classes, dpmech.certify).
+   the K classes, dpmech.robustness.certification).
 2. eps_r (Eq. 15): the largest eps_r with E_lb f_k > e^(2 eps_r) max_{i != k} E_ub f_i (Eq. 14), i.e.
    eps_r = ln(E_lb f_k / E_ub f_i) / 2 (the constraint is monotone in eps_r and the objective
    increasing, so the maximisation is solved exactly; ``search_eps_r`` checks this numerically).
@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from dpmech import _validate as v
-from dpmech.certify import argmax_bounds, hoeffding_bounds, max_epsilon, monte_carlo, top_and_runner_up
-from dpmech.certify import certified_accuracy as _certified_accuracy
+from dpmech.robustness.certification import argmax_bounds, hoeffding_bounds, max_epsilon, monte_carlo, top_and_runner_up
+from dpmech.robustness.certification import certified_accuracy as _certified_accuracy
 from dpmech.dpal.config import BOUNDS, NORMS
 from dpmech.dpal.noise import PsiNoisyScorer, TrainingNoise
 
@@ -139,7 +139,7 @@ def verify_model(model, noise: TrainingNoise, x: torch.Tensor, y, *, psi: float,
     gen = torch.Generator(device=device).manual_seed(seed)
     scorer = PsiNoisyScorer(model, noise, psi, gen, fresh=True)
     est = monte_carlo(scorer, x, n, batch_size=batch_size, progress=progress)
-    lower, upper = _BOUND_FNS[bounds](est, alpha=1.0 - eta)  # dpmech.certify's convention: alpha = 1 - eta
+    lower, upper = _BOUND_FNS[bounds](est, alpha=1.0 - eta)  # dpmech.robustness.certification's convention: alpha = 1 - eta
     scores = est.counts if bounds == "argmax" else est.mean
     k, lb, ub = top_and_runner_up(lower, upper, scores)
     sens_x = model.input_sensitivity(norm)
@@ -172,7 +172,7 @@ def conventional_accuracy_under_attack(trainer, x: torch.Tensor, y: torch.Tensor
     h + 2 chi_2/m; the verified prediction (argmax of n psi-noisy draws) is compared with the true
     label. ``attack_labels``: "true" (the attack maximises the loss of the true label ``y``) or
     "predicted" (of the centre's own prediction, the paper's choice against label leaking)."""
-    from dpmech.attacks import attack
+    from dpmech.robustness.attacks import attack
 
     mu_a = v.positive("mu_a", mu_a)
     attack_labels = v.choice("attack_labels", attack_labels, ("true", "predicted"))

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from dp_accounting.dp_event import ComposedDpEvent
 
 from dpmech import _validate as v
-from dpmech.accounting import noise_multiplier_for, subsampled_gaussian_event
+from dpmech.privacy.accounting import noise_multiplier_for, subsampled_gaussian_event
 
 OPTIMIZERS = ("rmsprop", "adam")
 FAKE_LABELS = ("uniform", "dp_histogram")

@@ -13,7 +13,7 @@ Critic step (Alg. 1 lines 3-9), with the paper's assumption on c_g *enforced*:
   critic steps; docs/dpgan.md, "Why class 5 fails");
 * line 6: the critic loss L = mean_fake f(G(z, y'), y') - (1/m) sum_real f(x_i, y_i); the real term's
   per-example gradients are each clipped to norm <= c_g by the book-keeping engine
-  (:mod:`dpmech.clipping`; :meth:`clipped_real_gradients` is the torch.func reference the tests use);
+  (:mod:`dpmech.privacy.clipping`; :meth:`clipped_real_gradients` is the torch.func reference the tests use);
   with ``clip_fake`` each fake example's gradient is clipped to c_g too (docs/dpgan.md);
 * line 7: Gaussian noise N(0, (sigma c_g)^2 I) is added to the *sum* of the clipped real gradients,
   which is then divided by the expected batch size m (Abadi et al. 2016's normalisation, so the
@@ -23,7 +23,7 @@ Critic step (Alg. 1 lines 3-9), with the paper's assumption on c_g *enforced*:
 * line 9: the critic weights are clipped to [-c_p, c_p] (post-processing);
 * every critic step taken is recorded in the :class:`PrivacyLedger` as (q, sigma, 1).
 
-White-box audit canaries (``canaries=WhiteBoxCanaries(m)``, :mod:`dpmech.audit_whitebox`; docs/audit.md,
+White-box audit canaries (``canaries=WhiteBoxCanaries(m)``, :mod:`dpmech.privacy.audit.whitebox`; docs/audit.md,
 "DPGAN's critic"): the critic's private step is DP-SGD's (clip to C = c_g, Gaussian noise of std sigma
 c_g on the sum, Poisson sampling at q), so the same canaries attach to it unchanged. Canary j is an
 example of D (by its fair coin) whose clipped real-term gradient is C e_c (or C u); each canary in D
@@ -50,9 +50,9 @@ import math
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 
-from dpmech.accounting import PrivacyLedger
-from dpmech.clipping import BookKeeper
-from dpmech.data import num_classes
+from dpmech.privacy.accounting import PrivacyLedger
+from dpmech.privacy.clipping import BookKeeper
+from dpmech.datasets.splits import num_classes
 from dpmech.dpgan.config import (DPGANConfig, calibrate_noise, histogram_noise_multiplier, paper_lemma2_epsilon,
                                  planned_critic_steps, sampling_rate, steps_per_epoch)
 from dpmech.dpgan.evaluate import JudgedSampler
@@ -136,7 +136,7 @@ class DPGANTrainer(JudgedSampler):
             self._attach_canaries(canaries)
 
     def _attach_canaries(self, canaries) -> None:
-        """White-box canaries (:class:`dpmech.audit_whitebox.WhiteBoxCanaries`) on the critic's
+        """White-box canaries (:class:`dpmech.privacy.audit.whitebox.WhiteBoxCanaries`) on the critic's
         private step: directions in the critic's parameters (``named_parameters`` order, the order of
         the clipped sums), C = c_g, q and sigma of the plan (module docstring)."""
         if not self.config.private:
@@ -187,7 +187,7 @@ class DPGANTrainer(JudgedSampler):
 
     def _clipped_sum(self, x: torch.Tensor, y: torch.Tensor, sign: float) -> tuple[dict, torch.Tensor, torch.Tensor]:
         """sum_i min(1, c_g / ||g_i||) g_i for the per-example losses sign * f_w(x_i, y_i), by the
-        book-keeping engine (:mod:`dpmech.clipping`, exact; one backward pass). Returns
+        book-keeping engine (:mod:`dpmech.privacy.clipping`, exact; one backward pass). Returns
         ``(sums by parameter name, scores f_w(x_i, y_i), per-example norms before clipping)``."""
         params = dict(self.critic.named_parameters())
         saved = {k: p.grad for k, p in params.items()}

@@ -67,7 +67,7 @@ def _patch_tracking(module):
 
 
 _PATCHES = {
-    "dataset": ("dpmech.data", _patch_data),
+    "dataset": ("dpmech.datasets.splits", _patch_data),
     "epoch": ("trainables.pixeldp", _patch_pixeldp),
     "evaluation": ("trainables.runtime", _patch_runtime),
     "final_log": ("trainables.artifacts", _patch_artifacts),
