@@ -13,7 +13,7 @@ only Ray and MLflow are left out. The epsilon of the table is the trial's report
 training-data guarantee computed from what the trainer did).
 
 Prints a table and writes benchmarks/results/baselines_mnist.json (``--demo``: a 5,000-image
-subset, 2 epochs, 200 test images; ``baselines_mnist_demo.json``).
+subset, 2 epochs, 200 test images; written under that file's ``demo`` key).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, log, write_result  # noqa: E402
+from benchmarks.common import environment, log, write_run  # noqa: E402
 
 ATTACKS = {"fgsm": [0.2], "ifgsm": [0.2], "mim": [0.2], "pgd": [0.2]}
 EPSILONS = (0.2, 1.0, 2.0)
@@ -179,13 +179,12 @@ def main() -> None:
               + "".join(f"{r.get(f'acc_{a}_0.2', math.nan):>7.3f}" for a in ATTACKS)
               + f"{r['acc_attack_avg_0.2']:>7.3f}{r['train_images_per_s']:>8.0f}{r['plain_images_per_s']:>8.0f}"
               f"{r['slowdown_vs_plain']:>6.1f}")
-    name = "baselines_mnist_demo" if args.demo else "baselines_mnist"
     payload = {"benchmark": "baselines_mnist", "mode": "demo" if args.demo else "full",
                "train_images": int(data[0][0].shape[0]), "test_images": int(data[1][0].shape[0]),
                "attacks": ATTACKS, "attack_norm": "linf", "attack_steps": args.attack_steps,
                "paper_dpal_fig2_avg": {"0.2": 0.827, "2.0": 0.8959}, "rows": rows,
                "environment": environment(device)}
-    log(f"wrote {write_result(name, payload, args.out)}")
+    log(f"wrote {write_run('baselines_mnist', payload, args.demo, args.out)}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""Shared pieces of the benchmarks: environment description and JSON output."""
+"""Shared pieces of the benchmarks: environment description, the results files and their sections,
+resumable per-seed runs, merging and the docs' generated blocks.
+
+Layout: ``benchmarks/<name>.py`` writes ``benchmarks/results/<name>.json`` only (a ``--demo`` run
+under its ``demo`` key, beside the full run at the top level) and keeps its per-run files (one JSON
+per run, scores, images) in the folder ``benchmarks/results/<name>/``."""
 
 from __future__ import annotations
 
@@ -44,6 +49,44 @@ def write_result(name: str, payload: dict, out: Path | None = None) -> Path:
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     tmp.replace(path)
     return path
+
+
+def read_result(path: Path) -> dict:
+    """The JSON at ``path``, or {} when there is none yet."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_part(name: str, payload: dict, part: str | None = None, out: Path | None = None,
+               keep: tuple[str, ...] = ()) -> Path:
+    """Write ``payload`` into ``results/<name>.json`` (or ``out``): as the entry at the dotted key path
+    ``part`` ("demo", "variants.long"), the rest of the file kept; or, without ``part``, as the whole
+    file but for the top-level keys ``keep`` of the file as it was (the parts other runs wrote)."""
+    path = out or RESULTS / f"{name}.json"
+    old = read_result(path)
+    if part is None:
+        new = {**payload, **{k: old[k] for k in keep if k in old}}
+    else:
+        new = old or {"benchmark": name}
+        *parents, leaf = part.split(".")
+        node = new
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = payload
+    return write_result(name, new, path)
+
+
+def write_run(name: str, payload: dict, demo: bool, out: Path | None = None) -> Path:
+    """The results of a benchmark with a ``--demo`` mode: the full run is the top level of
+    ``results/<name>.json`` and the demo run its ``demo`` key; writing one keeps the other. With
+    ``out`` the payload alone is written there."""
+    if out is not None:
+        return write_result(name, payload, out)
+    return write_part(name, payload, "demo" if demo else None, keep=("demo",))
+
+
+def seed_runs(runs: Path, row: str) -> list[dict]:
+    """The run files ``runs/<row>_seed<k>.json`` of one row, in seed order."""
+    return sorted((json.loads(p.read_text()) for p in runs.glob(f"{row}_seed*.json")), key=lambda r: r["seed"])
 
 
 @contextmanager
@@ -94,11 +137,12 @@ def update_doc_blocks(blocks: dict[Path, dict[str, str]]) -> list[Path]:
 
 
 def merge_new(existing: dict, others: list[Path], key: str, same: str | None = None,
-              base: dict | None = None) -> dict:
+              base: dict | None = None, part=None) -> dict:
     """``existing`` plus the entries of each JSON file's ``key`` mapping that ``existing`` lacks (an
     entry already there is kept); with ``same``, a file whose ``same`` field differs from ``base``'s
-    is refused (exit with a one-line reason) before anything is merged. Logs the count per file."""
-    loaded = [(p, json.loads(p.read_text())) for p in others]
+    is refused (exit with a one-line reason) before anything is merged; ``part`` (a function of the
+    loaded file) picks the section of each file that holds them. Logs the count per file."""
+    loaded = [(p, (part or (lambda o: o))(json.loads(p.read_text()))) for p in others]
     for p, o in loaded:
         if same is not None and o.get(same) != (base or {}).get(same):
             raise SystemExit(f"{p}: {same} differ from the results'; not merged")

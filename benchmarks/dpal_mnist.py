@@ -21,7 +21,7 @@ Attacks: sizes in the [-1, 1] domain, labels = the model's predictions, crafted 
 deterministic centre (the fixed training noise, no fresh noise); I-FGSM/MIM/MadryEtAl take 10 steps.
 
 ``--demo`` runs a small version (10k training images, m = 1,000, 3 epochs, T_mu = 2, 100 test images,
-n = 100) in a few minutes on 2 CPU cores and writes benchmarks/results/dpal_mnist_demo.json. Its
+n = 100) in a few minutes on 2 CPU cores and writes it under the ``demo`` key of that file. Its
 noise scales are 2.5x the full run's (they are inversely proportional to m), so its numbers are not
 comparable with the paper's.
 """
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, log, write_result  # noqa: E402
+from benchmarks.common import environment, log, write_run  # noqa: E402
 from dpmech.robustness.attacks import attack  # noqa: E402
 from dpmech.datasets.splits import load_splits  # noqa: E402
 from dpmech.dpal.config import DPALConfig  # noqa: E402
@@ -227,7 +227,7 @@ def main(argv=None) -> dict:
     result["environment"] = environment(device)
     log(f"epoch time: DPAL {result['epoch_seconds_dpal_median']:.2f}s vs non-private "
         f"{result['epoch_seconds_nonprivate_median']:.2f}s = {result['epoch_time_ratio']:.2f}x")
-    path = write_result("dpal_mnist_demo" if demo else "dpal_mnist", result, args.out)
+    path = write_run("dpal_mnist", result, demo, args.out)
     log(f"wrote {path}")
     return result
 

@@ -12,8 +12,8 @@ a conditional DPGAN (docs/dpgan.md) and reports, side by side:
 
 Prints a table and writes benchmarks/results/dpgan_mnist.json (device, versions, date).
 ``--demo`` runs a small version (2,000 training images, 10 epochs, small evaluation; measured 7.5
-minutes for all five epsilons on a heavily shared 2-core CPU) and writes
-benchmarks/results/dpgan_mnist_demo.json.
+minutes for all five epsilons on a heavily shared 2-core CPU) and writes it under the ``demo`` key
+of benchmarks/results/dpgan_mnist.json.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, log, write_result  # noqa: E402
+from benchmarks.common import environment, log, write_run  # noqa: E402
 from dpmech.datasets.splits import load_held_out, load_splits  # noqa: E402
 from dpmech.dpgan.config import DPGANConfig  # noqa: E402
 from dpmech.dpgan.trainer import DPGANTrainer
@@ -124,7 +124,7 @@ def main(argv=None) -> dict:
         "note": "epsilon null in rows = infinite (non-private); epsilon_paper_lemma2 is the paper's formula, not a guarantee",
         "environment": environment(device),
     }
-    path = write_result("dpgan_mnist_demo" if demo else "dpgan_mnist", result, args.out)
+    path = write_run("dpgan_mnist", result, demo, args.out)
     log(f"wrote {path}")
     return result
 

@@ -12,7 +12,7 @@ source document reports accuracy 0.9882 and MSE 0.2431 without noise (50 epochs,
 
 Full mode: full MNIST, 10 epochs, epsilon in 0.01 .. 100 (half decades): 38 trainings (a GPU
 job). ``--demo``: 2,000 training and 500 test images, 2 epochs, epsilon in {0.1, 1, 10, 100}
-(about two minutes on 2 CPU cores), written to benchmarks/results/labeldp_mnist_demo.json.
+(about two minutes on 2 CPU cores), written under the ``demo`` key of benchmarks/results/labeldp_mnist.json.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, log, write_result  # noqa: E402
+from benchmarks.common import environment, log, write_run  # noqa: E402
 from dpmech.datasets.splits import load_splits  # noqa: E402
 from dpmech.label_dp.trainer import LabelDPConfig, LabelDPTrainer  # noqa: E402
 
@@ -131,7 +131,7 @@ def main(argv=None) -> dict:
         rows = [{**r, "epsilon": r["epsilon_config"]} for r in results]
         plot_labeldp(rows, args.plot)
         log(f"wrote {args.plot}")
-    path = write_result("labeldp_mnist_demo" if demo else "labeldp_mnist", result, args.out)
+    path = write_run("labeldp_mnist", result, demo, args.out)
     log(f"wrote {path}")
     return result
 

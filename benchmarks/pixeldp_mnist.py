@@ -11,7 +11,7 @@ writes to benchmarks/results/pixeldp_mnist.json:
 * certification forward passes/s beside plain batched inference of the same network.
 
 ``--demo`` runs a small version (5k training images, 2 epochs, 100 images, n = 200) in about a
-minute on 2 CPU cores and writes benchmarks/results/pixeldp_mnist_demo.json.
+minute on 2 CPU cores and writes it under the ``demo`` key of benchmarks/results/pixeldp_mnist.json.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, log, write_result  # noqa: E402
+from benchmarks.common import environment, log, write_run  # noqa: E402
 from dpmech.robustness.certification import certify  # noqa: E402
 from dpmech.datasets.splits import load_splits  # noqa: E402
 from dpmech.robustness.evaluation import certified_accuracy_curve, predict  # noqa: E402
@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
         f"= {result['certify_throughput_ratio']:.3f}x")
     log(f"guarantee recomputed from the noise used: epsilon {guarantee['epsilon']:.4f} at delta "
         f"{guarantee['delta']}, L {guarantee['attack_bound']}, measured sensitivity {guarantee['sensitivity']:.4f}")
-    path = write_result("pixeldp_mnist_demo" if demo else "pixeldp_mnist", result, args.out)
+    path = write_run("pixeldp_mnist", result, demo, args.out)
     log(f"wrote {path}")
     return result
 

@@ -23,6 +23,7 @@ DP-SGD trials of seconds of compute each (500 MNIST images, one epoch, seeds 0..
 
 Targets (issue 24): overhead per trial <= 0.5 s at N = 960 on 2 cores and not growing with N;
 ``dpsweep report`` on 960 trials under 30 s. Run on a quiet machine: the figures are wall-clock.
+``--demo`` (N = 10 and 30) writes under the ``demo`` key of the same file.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import environment, log, write_result  # noqa: E402
+from benchmarks.common import environment, log, write_run  # noqa: E402
 
 TRIAL = {"dataset": "mnist", "train_size": 500, "test_size": 200, "epochs": 1, "batch_size": 100,
          "epsilon": 8.0, "model": "tb_cnn"}
@@ -156,7 +157,7 @@ def main(argv=None) -> dict:
     ensure_available("mnist")  # data on disk before anything is timed
     result = {"benchmark": "sweep_scale", "trial_config": TRIAL, "targets": TARGETS,
               "definition": "overhead_per_trial_s = (wall_s - compute_s) / N, compute_s = sum of the trials' "
-                            "compute_seconds / concurrency", "demo": bool(args.demo)}
+                            "compute_seconds / concurrency"}
     import torch
 
     result["environment"] = environment(torch.device("cpu"))
@@ -172,8 +173,7 @@ def main(argv=None) -> dict:
     if len(rows) > 1:
         result["overhead_growth"] = round(rows[-1]["overhead_per_trial_s"] - rows[0]["overhead_per_trial_s"], 3)
     out = Path(args.out) if args.out else None
-    name = "sweep_scale_demo" if args.demo and out is None else "sweep_scale"
-    log(f"wrote {write_result(name, result, out)}")
+    log(f"wrote {write_run('sweep_scale', result, args.demo, out)}")
     log(json.dumps({f"n_{r['trials']}": {k: r[k] for k in ('overhead_per_trial_s', 'report_s', 'driver_rss_mb')}
                     for r in rows}))
     return result
