@@ -19,7 +19,7 @@ Sections:
   Dirac canaries on an audit block, 2,000 on the network's largest tensor), the one-run bounds at
   95%: {claim, fdp_lb, steinke_lb, canaries, acc_with_canaries, acc_without, seeds}, means over
   the seeds and each seed's value. Each (unit, seed) writes
-  ``benchmarks/results/audit_mnist_runs/<unit>_seed<k>.json`` (and its canary scores, .npz) when it
+  ``benchmarks/results/audit_mnist/<unit>_seed<k>.json`` (and its canary scores, .npz) when it
   ends; a unit already there is skipped and one another process is running (a ``.running`` file)
   too, so runs resume and two processes can share the units. ``--only merge`` rebuilds the
   section from the run files. ~10-15 minutes per 40-epoch run on one core. ``acc_without``:
@@ -27,7 +27,9 @@ Sections:
   ``plain_eps_8`` (the recipe trained here without canaries or audit block).
 * ``whitebox_ceiling``: the same auditor on simulated idealised runs of each recipe's plan.
 
-Run: ``.venv/bin/python benchmarks/audit_mnist.py [--only SECTION|UNIT ...] [--seeds 0 1 2] [--demo]``.
+Run: ``.venv/bin/python benchmarks/audit_mnist.py [--only SECTION|UNIT ...] [--seeds 0 1 2] [--demo]``
+(``--demo``: its sections under the file's ``demo`` key, its runs ``<unit>_seed<k>_demo.json``);
+``--docs`` rewrites docs/audit.md's tables from the file.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from scipy.stats import norm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.audit_block import AuditBlock  # noqa: E402
-from benchmarks.common import RESULTS, claimed_unit, environment, log, write_result  # noqa: E402
+from benchmarks.common import RESULTS, claimed_unit, environment, log, read_result, write_result  # noqa: E402
 from dpmech.privacy.audit.one_run import epsilon_lower_bound  # noqa: E402
 from dpmech.privacy.audit.fdp import fdp_epsilon_lower_bound  # noqa: E402
 from dpmech.privacy.audit.gdp import gdp_epsilon  # noqa: E402
@@ -144,7 +146,7 @@ def gaussian_table(ms=TABLE_MS, draws: int = 10) -> dict:
 
 
 # ------------------------------------------------------------------ white-box audits on full MNIST
-RUNS = RESULTS / "audit_mnist_runs"
+RUNS = RESULTS / "audit_mnist"
 EPSILONS = {"eps_1": 1.0, "eps_3": 3.0, "eps_8": 8.0}
 # canaries and guesses, fixed before any run from the idealised simulation of each recipe's
 # (q, sigma, T) (docs/audit.md, "Full MNIST"): 50,000 Dirac canaries on the audit block
@@ -425,7 +427,7 @@ def whitebox_section(demo: bool = False) -> dict:
             entry["acc_cost"] = entry["acc_without"] - entry["acc_with_canaries"]
             entry["acc_without_source"] = ("benchmarks/results/dpsgd_mnist_full.json accuracy." + unit +
                                            " (the same recipe and seeds, no canaries, no audit block; not retrained)"
-                                           if base else f"audit_mnist_runs/plain_{unit}_seed*.json (the same recipe "
+                                           if base else f"audit_mnist/plain_{unit}_seed*.json (the same recipe "
                                            "and seeds trained here without canaries or audit block)")
         else:
             entry["acc_without_source"] = "not measured (no run of this recipe without canaries)"
@@ -440,14 +442,15 @@ def whitebox_section(demo: bool = False) -> dict:
 
 
 def write_sections(sections: dict, demo: bool = False) -> Path:
-    """Merge ``sections`` into the results file (sections not given are kept as they are)."""
-    name = "audit_mnist_demo" if demo else "audit_mnist"
-    path = RESULTS / f"{name}.json"
-    payload = json.loads(path.read_text()) if path.exists() else {"benchmark": name}
-    payload.update(sections)
-    payload.update(date=_dt.date.today().isoformat(), environment=environment(torch.device("cpu")),
-                   delta=DELTA, beta=BETA)
-    return write_result(name, payload, out=path)
+    """Merge ``sections`` into the results file, a demo's into its ``demo`` key (sections not given
+    are kept as they are)."""
+    path = RESULTS / "audit_mnist.json"
+    payload = read_result(path) or {"benchmark": "audit_mnist"}
+    target = payload.setdefault("demo", {"benchmark": "audit_mnist_demo"}) if demo else payload
+    target.update(sections)
+    target.update(date=_dt.date.today().isoformat(), environment=environment(torch.device("cpu")),
+                  delta=DELTA, beta=BETA)
+    return write_result("audit_mnist", payload, out=path)
 
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "audit.md"
@@ -563,10 +566,14 @@ def main(argv=None) -> None:
                          "recipe; merge: rebuild whitebox from the run files only")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--demo", action="store_true",
-                    help="white-box units on 3,000 images for 1 epoch (a minute), written to audit_mnist_demo.json")
+                    help="white-box units on 3,000 images for 1 epoch (a minute), written under the results' demo key")
+    ap.add_argument("--docs", action="store_true", help="only rewrite docs/audit.md's tables from the results file")
     ap.add_argument("--zoo-runs", type=int, default=40, help="correct-engine runs of the bug zoo's refute rate")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
+    if args.docs:
+        update_docs(RESULTS / "audit_mnist.json")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     only = set(args.only or ["gaussian_table", "bug_zoo", "whitebox", "ceiling"])
