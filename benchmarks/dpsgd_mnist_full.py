@@ -3,7 +3,7 @@
 Accuracy: the Tramer & Boneh 2021 CNN (``tb_cnn``, tanh) at epsilon 1, 2, 3 (delta 1e-5), 3 seeds
 each, plus the non-private baseline of the same network (3 seeds); recipes in :data:`RECIPES`
 (docs/dpsgd.md says where each value comes from). Each (row, seed) is one run whose result is
-written to ``benchmarks/results/dpsgd_mnist_full_runs/<row>_seed<k>.json`` as soon as it ends;
+written to ``benchmarks/results/dpsgd_mnist_full/<row>_seed<k>.json`` as soon as it ends;
 a run already there is skipped, so the benchmark survives interruptions and several processes may
 share the rows (``--rows``, ``--seeds``). The summary ``benchmarks/results/dpsgd_mnist_full.json``
 is rebuilt from the run files after every run: ``accuracy.<row>`` = {mean, std, seeds, epsilon_rdp,
@@ -13,8 +13,9 @@ on cached ScatterNet features, docs/dpsgd.md "ScatterNet features") are also sum
 repeats the epsilon-3 recipe on 59,000 images (``--audit-train-size``) with 1,000 canaries (the held-out remainder of the training split) and reports the one-run audit's
 ``epsilon_lower_bound`` (dpmech.privacy.audit.one_run) against the claim.
 
-Speed (``--speed``, or ``--speed-only``): ``benchmarks/dpsgd_speed.py`` (its own one-line command
-also rewrites docs/dpsgd.md's routes table): plain (non-private) and DP-SGD steps on ``tb_cnn`` and
+Speed (``--speed``, or ``--speed-only``): ``benchmarks/dpsgd_speed.py``'s measurement, written to its
+results file ``benchmarks/results/dpsgd_speed.json`` (its own one-line command also rewrites
+docs/dpsgd.md's routes table): plain (non-private) and DP-SGD steps on ``tb_cnn`` and
 ``pixeldp_cnn``, batch 512, the same threads, interleaved round by round in one process;
 ``speed.<model>`` = {plain_img_s, dp_img_s, slowdown = the default engine's median ratio, modes,
 routes (every route of the bk engine), ...}.
@@ -38,10 +39,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, claimed_unit, environment, log, write_result  # noqa: E402
+from benchmarks.common import RESULTS, claimed_unit, environment, log, seed_runs, write_result  # noqa: E402
 
 NAME = "dpsgd_mnist_full"
-RUNS = RESULTS / f"{NAME}_runs"
+RUNS = RESULTS / NAME
 
 _TB = dict(model="tb_cnn", batch_size=512, max_grad_norm=0.1, lr=0.5, momentum=0.9, optimizer="sgd",
            lr_schedule="constant", delta=1e-5)
@@ -170,7 +171,7 @@ def summarize() -> dict:
     """``accuracy.<row>`` from the run files present (mean, sample std, seeds, epsilons)."""
     acc: dict = {}
     for row in list(RECIPES) + [AUDIT_ROW]:
-        runs = sorted((json.loads(p.read_text()) for p in RUNS.glob(f"{row}_seed*.json")), key=lambda r: r["seed"])
+        runs = seed_runs(RUNS, row)
         if not runs:
             continue
         accs = [r["acc_clean"] for r in runs]
@@ -186,20 +187,13 @@ def summarize() -> dict:
     return acc
 
 
-def write_summary(speed: dict | None = None) -> Path:
-    path = RESULTS / f"{NAME}.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
+def write_summary() -> Path:
     env = environment(torch.device("cpu"))
     acc = summarize()
     payload = {"benchmark": NAME, "dataset": "mnist (60,000 train / 10,000 test)",
                "accuracy": acc, "scatternet": scatternet_section(acc),
-               "speed": speed if speed is not None else old.get("speed", {}),
                "device": env["device"], "threads": torch.get_num_threads(), "versions": env["versions"],
                "date": env["date"]}
-    if speed is None and "speed_threads" in old:
-        payload["speed_threads"] = old["speed_threads"]
-    # sections other benchmarks write into this file (benchmarks/dpsgd_tuned.py: tuned) are kept
-    payload = {**{k: v for k, v in old.items() if k not in payload and k != "speed_threads"}, **payload}
     return write_result(NAME, payload)
 
 
@@ -247,15 +241,13 @@ def main(argv=None) -> dict:
                 result = run_one(row, seed, args.clipping, device)
                 write_result(NAME, result, out=path)
                 write_summary()
-    speed = None
     if args.speed or args.speed_only:
+        from benchmarks.dpsgd_speed import write_speed
+
         modes = args.speed_modes or [m for m in CLIPPING_MODES if m != "flat"]
         speed = measure_speed(["tb_cnn", "pixeldp_cnn"], modes, args.speed_steps, 512, default_mode, device)
-    path = write_summary(speed)
-    if speed is not None:
-        data = json.loads(path.read_text())
-        data["speed_threads"] = torch.get_num_threads()
-        write_result(NAME, data)
+        log(f"wrote {write_speed(speed, torch.get_num_threads(), docs=False)}")
+    path = write_summary()
     summary = json.loads(path.read_text())
     for row, e in summary["accuracy"].items():
         sd = f" +- {e['std']:.4f}" if e["std"] is not None else ""

@@ -7,13 +7,15 @@ shuffled per round (so a busy machine slows them alike); a trainer's ratio is th
 rounds of (its step time / the plain step's time in the same round). The plain step is the
 model's forward, backward and SGD step (``DPSGDTrainer`` with epsilon None), the same as issue 14's.
 
-Writes ``speed`` of ``benchmarks/results/dpsgd_mnist_full.json`` (read-modify-write; every other
-key is kept): ``speed.<model>`` = {plain_img_s, dp_img_s, slowdown (the default engine's ratio),
+Writes ``benchmarks/results/dpsgd_speed.json`` (a run of some models keeps the others' entries):
+``speed.<model>`` = {plain_img_s, dp_img_s, slowdown (the default engine's ratio),
 clipping, modes {bk, ghost}, routes {route: ratio}, routes_img_s, layer_routes (what the default
 chose), layer_timings_ms (its one-off measurement), target, load_avg, ...}; and the routes table of
 docs/dpsgd.md. One line re-measures everything (the figures the docs quote)::
 
     python benchmarks/dpsgd_speed.py --threads 2
+
+``--docs`` only rewrites the routes table from the results file.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, environment, log, update_doc_blocks, write_result  # noqa: E402
+from benchmarks.common import RESULTS, environment, log, read_result, update_doc_blocks, write_result  # noqa: E402
 
-NAME = "dpsgd_mnist_full"
+NAME = "dpsgd_speed"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "dpsgd.md"
 MODELS = ("tb_cnn", "pixeldp_cnn")
 TARGETS = {"tb_cnn": 1.25, "pixeldp_cnn": 1.5}
@@ -162,11 +164,11 @@ def routes_table(speed: dict) -> str:
 
 
 def write_speed(speed: dict, threads: int, docs: bool) -> Path:
-    """Read-modify-write of the results JSON: ``speed`` and ``speed_threads`` replaced, the rest kept."""
+    """Read-modify-write of the results JSON: the models measured and ``threads`` replaced, the rest kept."""
     path = RESULTS / f"{NAME}.json"
-    data = json.loads(path.read_text()) if path.exists() else {"benchmark": NAME}
+    data = read_result(path) or {"benchmark": NAME}
     data["speed"] = {**data.get("speed", {}), **speed}       # a run of some models keeps the others
-    data["speed_threads"] = threads
+    data["threads"] = threads
     write_result(NAME, data)
     if docs:
         update_doc_blocks({DOC: {"speed-routes": routes_table(speed)}})
@@ -192,7 +194,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--routes", nargs="+", default=None, choices=list(ROUTES) + ["opacus_ghost"])
     ap.add_argument("--no-write", action="store_true", help="print only (no JSON, no docs)")
+    ap.add_argument("--docs", action="store_true", help="only rewrite docs/dpsgd.md's routes table from the results file")
     args = ap.parse_args(argv)
+    if args.docs:
+        speed = read_result(RESULTS / f"{NAME}.json")["speed"]
+        update_doc_blocks({DOC: {"speed-routes": routes_table(speed)}})
+        log(f"updated {DOC}")
+        return speed
     torch.set_num_threads(args.threads)
     speed = measure(args.models, args.routes, args.rounds)
     if not args.no_write:
