@@ -9,10 +9,9 @@ Writes benchmarks/results/dpal_mnist_full.json:
   white-box attack, not a certificate.** Like the reference, each figure is the maximum over the evaluations
   made during training (``curve`` holds each); ``steps`` says how many training steps ran (the reference:
   4,002).
-* ``faithful``: today's full-data result of ``benchmarks/dpal_mnist.py`` (dpal_mnist_full_data.json), keys
-  unchanged, with its schedule; not re-run with the paper's schedule here (see ``faithful.note``).
-* ``sound``: the top-level dict of benchmarks/results/dpal_mnist_full_sound.json (helper H15b's dpal_sound
-  runs) when that file exists.
+* ``faithful`` and ``sound``: where the other two ways' results are (:data:`POINTERS`): the full-data run
+  of ``benchmarks/dpal_mnist.py`` in benchmarks/results/dpal_mnist.json (not re-run with the paper's
+  schedule, see ``faithful.note``) and ``benchmarks/dpal_sound_full.py``'s benchmarks/results/dpal_sound_full.json.
 
 Resumable: the trainers are checkpointed in ``--ckpt-dir`` after each training chunk and the JSON is
 rewritten after each evaluation; a restart skips what is done. Work is done in rounds (every config up to
@@ -22,8 +21,9 @@ rewritten after each evaluation; a restart skips what is done. Work is done in r
   nohup nice -n 5 .venv/bin/python benchmarks/dpal_mnist_full.py > /work/logs/dpal_mnist_full.log 2>&1 &
 
 ``--probe`` (on the checkpoints, any time): the shared draw against a per-example draw of the same fresh noise,
-clean and under the surrogate's pgd, into benchmarks/results/dpal_mnist_full_probe.json (merged as
-``reference_protocol.<eps>.probe`` by every later save). ``--merge-only``: refresh the faithful, sound and probe parts.
+clean and under the surrogate's pgd, as ``reference_protocol.<eps>.probe`` of the results file (a running
+benchmark keeps the probes on disk when it saves). ``--merge-only``: rewrite the file (pointers, environment)
+without training.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, environment, log, write_result  # noqa: E402
+from benchmarks.common import RESULTS, environment, log, read_result, write_result  # noqa: E402
 from dpmech.datasets.splits import load_splits  # noqa: E402
 from dpmech.dpal.reference import ATTACKS, ReferenceTrainer  # noqa: E402
 
@@ -52,6 +52,14 @@ PAPER = {
     "eps_1": {"cert_acc_0.05": 0.8429, "cert_acc_0.6": 0.7241},
 }
 CONFIGS = {"eps_0.2": 0.2, "eps_2": 2.0, "eps_1": 1.0}   # the order the rounds visit them
+# the other two ways of issue 15 write their own results files
+POINTERS = {
+    "faithful": {"see": "benchmarks/results/dpal_mnist.json (benchmarks/dpal_mnist.py --epochs 3 --attack-steps 3 "
+                        "--test 500 --n 500)",
+                 "note": "faithful DPAL (docs/dpal.md) with 3 epochs (72 steps), T_mu 3; the paper's schedule (the "
+                         "reference's 4,002 steps) was not run: the CPU went to the reference protocol first (issue 15)"},
+    "sound": {"see": "benchmarks/results/dpal_sound_full.json (benchmarks/dpal_sound_full.py; docs/dpal_sound.md)"},
+}
 
 
 def summarise(curve: list[dict], key_cert: bool) -> dict:
@@ -76,31 +84,6 @@ def summarise(curve: list[dict], key_cert: bool) -> dict:
     return {**plain, **means}
 
 
-def faithful_section() -> dict:
-    path = RESULTS / "dpal_mnist_full_data.json"
-    if not path.exists():
-        return {"note": "no faithful full-data result found"}
-    d = json.loads(path.read_text())
-    runs = {}
-    for key, run in d.get("runs", {}).items():   # today's keys unchanged (the config is in the source file)
-        runs[key.replace("eps_t=", "eps_")] = {k: val for k, val in run.items() if k != "config"}
-    return {"source": "benchmarks/results/dpal_mnist_full_data.json (benchmarks/dpal_mnist.py)",
-            "epochs": d.get("epochs"), "steps_per_run": 24 * d.get("epochs", 0), "attack_steps_train": d.get("attack_steps_train"),
-            "runs": runs,
-            "note": "faithful DPAL (docs/dpal.md) with 3 epochs (72 steps), T_mu 3; the paper's schedule (the reference's "
-                    "4,002 steps) was not run: the CPU went to the reference protocol first (issue 15)"}
-
-
-def sound_section() -> dict | None:
-    path = RESULTS / "dpal_mnist_full_sound.json"
-    if path.exists():
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError:
-            return {"note": "dpal_mnist_full_sound.json could not be read (being written?)"}
-    return None
-
-
 def probe(args, ckdir: Path) -> None:
     """The protocol row of docs/dpal.md measured on the reference-protocol models themselves."""
     from dpmech.dpal.reference import shared_draw_counts, surrogate_attack
@@ -123,10 +106,10 @@ def probe(args, ckdir: Path) -> None:
                 counts = shared_draw_counts(t.net, inp, nz["benign"], nz["h"], b.b_x, b.b_h, args.n, g, per_example=per_example)
                 key = f"acc_{label}_{'per_example_draw' if per_example else 'shared_draw'}"
                 out[key] = float((counts.argmax(1) == yt).float().mean())
-        path = RESULTS / "dpal_mnist_full_probe.json"
-        probes = json.loads(path.read_text()) if path.exists() else {}
-        probes[name] = out
-        write_result("dpal_mnist_full_probe", probes, path)
+        path = Path(args.out)   # read-modify-write: a running benchmark keeps the probes on disk when it saves
+        data = read_result(path) or {"benchmark": "dpal_mnist_full"}
+        data.setdefault("reference_protocol", {}).setdefault(name, {})["probe"] = out
+        write_result("dpal_mnist_full", data, path)
         log(f"{name} probe: {out}")
 
 
@@ -144,7 +127,7 @@ def main(argv=None) -> None:
     ap.add_argument("--deadline", type=float, default=0.0, help="unix time after which no new round starts (0: none)")
     ap.add_argument("--ckpt-dir", default="/work/logs/dpal_ref_ckpt")
     ap.add_argument("--out", default=str(RESULTS / "dpal_mnist_full.json"))
-    ap.add_argument("--merge-only", action="store_true", help="only refresh the faithful and sound sections")
+    ap.add_argument("--merge-only", action="store_true", help="only rewrite the file (pointers, environment, probes)")
     ap.add_argument("--probe", action="store_true",
                     help="on the checkpointed models: votes with one shared draw per iteration against one draw per "
                          "example (the same fresh noise), clean and under the surrogate's pgd at mu_a; writes <eps>.probe")
@@ -153,7 +136,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     ckdir = Path(args.ckpt_dir)
     ckdir.mkdir(parents=True, exist_ok=True)
-    result = json.loads(out.read_text()) if out.exists() else {}
+    result = {"benchmark": "dpal_mnist_full", **read_result(out)}
     ref = result.setdefault("reference_protocol", {})
     ref["label"] = LABEL
     ref["settings"] = {
@@ -165,14 +148,11 @@ def main(argv=None) -> None:
     }
 
     def save():
-        probe_path = RESULTS / "dpal_mnist_full_probe.json"
-        if probe_path.exists():   # written by --probe (possibly while a run holds this JSON in memory)
-            for name, measured in json.loads(probe_path.read_text()).items():
-                ref.setdefault(name, {})["probe"] = measured
-        result["faithful"] = faithful_section()
-        snd = sound_section()
-        if snd is not None:
-            result["sound"] = snd
+        # probes written by --probe (possibly while this run held the JSON in memory) are kept
+        for name, sec in read_result(out).get("reference_protocol", {}).items():
+            if isinstance(sec, dict) and "probe" in sec:
+                ref.setdefault(name, {})["probe"] = sec["probe"]
+        result.update(POINTERS)
         result["environment"] = environment(torch.device("cpu"))
         write_result("dpal_mnist_full", result, out)
 
@@ -180,7 +160,7 @@ def main(argv=None) -> None:
         save()
         return
     if args.probe:
-        probe(args, ckdir)   # the main JSON is left to the run (--merge-only merges the probe file)
+        probe(args, ckdir)   # into the results file (a running benchmark keeps the probes when it saves)
         return
     train, test = load_splits("mnist", train_size=None, test_size=args.test, seed=0)
     x, y = train.tensors

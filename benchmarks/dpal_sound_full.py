@@ -1,14 +1,14 @@
 """dpal_sound on full MNIST (60k train, 10k test): accuracy, robustness, certificates, training cost.
 
 Rows ``eps_2`` then ``eps_1`` (delta 1e-5), seeds 0 1 2, recipe :data:`RECIPES` (docs/dpal_sound.md).
-Each (row, seed) run writes ``benchmarks/results/dpal_sound_full_runs/<row>_seed<k>.json`` when it
+Each (row, seed) run writes ``benchmarks/results/dpal_sound_full/<row>_seed<k>.json`` when it
 ends and a checkpoint after every epoch (``--ckpt-dir``, default /tmp/dpal_sound_ckpt), so the benchmark
 resumes where it stopped: a finished run is skipped, an interrupted one continues from its last
-epoch bit for bit. After every run the summary ``benchmarks/results/dpal_mnist_full_sound.json``
+epoch bit for bit. After every run the summary ``benchmarks/results/dpal_sound_full.json``
 is rebuilt: ``eps_2`` / ``eps_1`` = {acc_clean_smoothed, acc_pgd_0.2, cert_l2_acc_0.5,
 cert_linf_acc_0.02, epsilon_rdp, seeds} (each metric a mean over the seeds done, with ``<m>_std`` and
-``<m>_per_seed``; ``seeds`` = the seed ids done), plus ``cost`` and the recipe.
-``benchmarks/dpal_mnist_full.py`` merges this top-level dict as ``sound``.
+``<m>_per_seed``; ``seeds`` = the seed ids done), plus ``cost`` and the recipe
+(benchmarks/results/dpal_mnist_full.json, issue 15's three ways, points here as ``sound``).
 
 Cost (``--cost``, measured first when asked): seconds per training step of four trainers on the same
 model, the same batches and the same threads, interleaved step by step in one process: ``plain``
@@ -34,10 +34,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, environment, log, update_doc_blocks, write_result  # noqa: E402
+from benchmarks.common import (RESULTS, claimed_unit, environment, log, read_result, seed_runs,  # noqa: E402
+                               update_doc_blocks, write_result)
 
-NAME = "dpal_mnist_full_sound"
-RUNS = RESULTS / "dpal_sound_full_runs"
+NAME = "dpal_sound_full"
+RUNS = RESULTS / NAME
 
 _BASE = dict(model="tb_cnn_gn", batch_size=512, max_grad_norm=0.1, lr=0.5, momentum=0.9, optimizer="sgd",
              lr_schedule="constant", delta=1e-5, smoothing_sigma=0.5, xi=1.0, mu_max=0.3,
@@ -110,7 +111,7 @@ def run_one(row: str, seed: int, ckpt_dir: Path) -> dict:
 def summarize() -> dict:
     rows = {}
     for row in RECIPES:
-        runs = sorted((json.loads(p.read_text()) for p in RUNS.glob(f"{row}_seed*.json")), key=lambda r: r["seed"])
+        runs = seed_runs(RUNS, row)
         if not runs:
             continue
         entry: dict = {}
@@ -137,9 +138,9 @@ def summarize() -> dict:
 
 def write_summary(cost: dict | None = None) -> Path:
     path = RESULTS / f"{NAME}.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
+    old = read_result(path)
     env = environment(torch.device("cpu"))
-    payload = {"benchmark": "dpal_sound_full", "dataset": "mnist (60,000 train / 10,000 test)",
+    payload = {"benchmark": NAME, "dataset": "mnist (60,000 train / 10,000 test)",
                **summarize(), "cost": cost if cost is not None else old.get("cost", {}),
                "evaluation": {**{k: list(v) if isinstance(v, tuple) else v for k, v in EVAL.items()},
                               "note": "acc_clean_smoothed: PREDICT on all 10,000 test images; cert_*: CERTIFY on "
@@ -253,12 +254,11 @@ def main(argv=None) -> dict:
     if not args.cost_only:
         for row in args.rows:
             for seed in args.seeds:
-                path = RUNS / f"{row}_seed{seed}.json"
-                if path.exists():
-                    log(f"[{row} seed {seed}] already done, skipped")
-                    continue
-                write_result(NAME, run_one(row, seed, ckpt_dir), out=path)
-                write_summary()
+                with claimed_unit(RUNS, f"{row}_seed{seed}", f"{row} seed {seed}") as path:
+                    if path is None:
+                        continue
+                    write_result(NAME, run_one(row, seed, ckpt_dir), out=path)
+                    write_summary()
     summary = json.loads(write_summary().read_text())
     for row in RECIPES:
         if row in summary:
