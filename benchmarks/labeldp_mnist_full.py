@@ -13,6 +13,12 @@ cores (13 s on an idle core).
 
 Run: ``nohup nice -n 5 .venv/bin/python benchmarks/labeldp_mnist_full.py > /work/logs/labeldp_full.log 2>&1 &``
 (one torch thread: throughput figures are 1-thread figures). ``--max-units N`` stops after N units.
+
+The file's top level is that first schedule over the whole grid; runs of other settings are its
+``variants.<name>`` (``--variant NAME``, each with its own ``settings``, resumed and merged alike):
+``long`` (``--epochs 12 --stage1-epochs 20``, the shipped recipe, sweeps/label_dp_mnist_ghazi.yaml) and
+``wide`` (``long`` with ``--width 32 --hidden 256``). ``--docs`` writes docs/label_dp.md's tables from
+the top level and, when present, ``variants.long`` and ``variants.wide``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, environment, log, merge_new, update_doc_blocks, write_result  # noqa: E402
+from benchmarks.common import RESULTS, environment, log, merge_new, read_result, update_doc_blocks, write_part  # noqa: E402
 from dpmech.datasets.splits import load_splits  # noqa: E402
 from dpmech.label_dp.recipe import RecipeConfig, accuracy, mse, predict, train_label_dp  # noqa: E402
 
@@ -41,6 +47,25 @@ PUBLISHED = {"lp2st": {1.0: 0.9582, 2.0: 0.9878, 3.0: 0.9914, 4.0: 0.9924},
              "lp1st": {1.0: 0.9534, 2.0: 0.9816, 3.0: 0.9881, 4.0: 0.9908}}
 TARGETS = {"lp2st": {1.0: 0.955, 2.0: 0.985, 4.0: 0.990}, "lp1st": {1.0: 0.950},
            "non_private_acc": 0.988, "non_private_mse": 0.25}
+
+
+NAME = "labeldp_mnist_full"
+ABOUT = {"shipped_recipe": "variants.long: the doubled schedule (20 + 12 epochs), sweeps/label_dp_mnist_ghazi.yaml and "
+                           "the targets' recipe (docs/label_dp.md); the top level is the first schedule (10 + 6 "
+                           "epochs), the only one run over the whole grid; variants.wide: variants.long with a CNN "
+                           "twice as wide"}
+
+
+def section(result: dict, variant: str | None) -> dict:
+    """The results of one setting: the file's top level, or its ``variants.<variant>``."""
+    return result.get("variants", {}).get(variant, {}) if variant else result
+
+
+def save(payload: dict, out: Path, variant: str | None) -> Path:
+    """Write one setting's results into the file, the other settings' kept."""
+    if variant:
+        return write_part(NAME, payload, f"variants.{variant}", out)
+    return write_part(NAME, {**payload, **ABOUT}, out=out, keep=("variants",))
 
 
 def ekey(e: float) -> str:
@@ -213,35 +238,37 @@ def main(argv=None) -> dict:
     ap.add_argument("--width", type=int, default=16, help="the CNN's first conv channels (the second has twice)")
     ap.add_argument("--hidden", type=int, default=128, help="the CNN's hidden units")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=RESULTS / "labeldp_mnist_full.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / f"{NAME}.json")
+    ap.add_argument("--variant", default=None,
+                    help="write (resume, merge) the runs of these settings as variants.VARIANT of --out (long, wide)")
     ap.add_argument("--docs", action="store_true", help="only rewrite docs/label_dp.md's generated tables from --out")
     ap.add_argument("--seeds", type=int, nargs="+", default=None, help="only the units of these seeds")
     ap.add_argument("--merge", type=Path, nargs="+", default=None,
-                    help="only add the runs of these JSON files (same settings, written with --out) to --out")
+                    help="only add the runs of these JSON files (same settings and --variant, written with --out) to --out")
     args = ap.parse_args(argv)
     if args.merge:
-        state = json.loads(args.out.read_text())
-        runs = merge_new(state["runs"], args.merge, "runs", same="settings", base=state)
+        state = section(json.loads(args.out.read_text()), args.variant)
+        runs = merge_new(state["runs"], args.merge, "runs", same="settings", base=state,
+                         part=lambda o: section(o, args.variant))
         cls, reg = summarise(runs)
-        write_result("labeldp_mnist_full", {**state, "classification": cls, "regression": reg, "runs": runs,
-                                            "units_done": len(runs)}, args.out)
+        save({**state, "classification": cls, "regression": reg, "runs": runs, "units_done": len(runs)},
+             args.out, args.variant)
         return {}
     if args.docs:
         doc = Path(__file__).resolve().parent.parent / "docs" / "label_dp.md"
         result = json.loads(args.out.read_text())
         blocks = doc_tables(result)
-        long = args.out.with_name(args.out.stem + "_long.json")
-        if long.exists():
-            long_result = json.loads(long.read_text())
-            blocks["labeldp-schedule"] = (f"From {args.out.name} and {long.name} by `--docs`.\n\n"
+        variants, name = result.get("variants", {}), args.out.name
+        if "long" in variants:
+            long_result = variants["long"]
+            blocks["labeldp-schedule"] = (f"From {name} (top level and `variants.long`) by `--docs`.\n\n"
                                           + schedule_table(result, long_result))
-            blocks["labeldp-targets-long"] = doc_tables(long_result, long.name)["labeldp-targets"]
-            wide = args.out.with_name(args.out.stem + "_wide.json")
-            if wide.exists():
-                wide_result = json.loads(wide.read_text())
-                blocks["labeldp-wide"] = (f"From {long.name} and {wide.name} by `--docs`.\n\n"
+            blocks["labeldp-targets-long"] = doc_tables(long_result, f"{name} (`variants.long`)")["labeldp-targets"]
+            if "wide" in variants:
+                wide_result = variants["wide"]
+                blocks["labeldp-wide"] = (f"From {name} (`variants.long` and `variants.wide`) by `--docs`.\n\n"
                                           + schedule_table(long_result, wide_result, network_label))
-                blocks["labeldp-targets-wide"] = doc_tables(wide_result, wide.name)["labeldp-targets"]
+                blocks["labeldp-targets-wide"] = doc_tables(wide_result, f"{name} (`variants.wide`)")["labeldp-targets"]
         update_doc_blocks({doc: blocks})
         log(f"wrote {doc}")
         return {}
@@ -252,14 +279,15 @@ def main(argv=None) -> dict:
                 "batch_size": 256, "stage1_fraction": 0.4, "stage2_init": "stage1", "prior_mode": "denoised", "width": args.width, "hidden": args.hidden,
                 "regression": {"optimizer": "adam", "lr": 3e-3, "batch_size": 128, "mixup_alpha": 0.0}}
     runs: dict = {}
-    if args.out.exists():
-        old = json.loads(args.out.read_text())
+    old = section(read_result(args.out), args.variant)
+    where = f"{args.out}" + (f" (variants.{args.variant})" if args.variant else "")
+    if old:
         if old.get("settings") == settings:
             runs = old.get("runs", {})
             log(f"resuming: {len(runs)} units already done")
         else:
-            raise SystemExit(f"{args.out} holds results of other settings ({old.get('settings')}); "
-                             f"move it away or pass --out")
+            raise SystemExit(f"{where} holds results of other settings ({old.get('settings')}); "
+                             f"move it away or pass --out or --variant")
     train, test = load_splits("mnist")
     x, y = train.tensors
     xt, yt = test.tensors
@@ -275,7 +303,7 @@ def main(argv=None) -> dict:
     def payload() -> dict:
         cls, reg = summarise(runs)
         env = environment(device)
-        return {"benchmark": "labeldp_mnist_full", "classification": cls, "regression": reg,
+        return {"benchmark": NAME, "classification": cls, "regression": reg,
                 "device": env["device"], "versions": {"python": env["python"], **env["versions"]},
                 "date": env["date"], "threads": torch.get_num_threads(),
                 "throughput_note": "train_seconds are 1-thread CPU figures on a 2-core machine shared "
@@ -312,11 +340,11 @@ def main(argv=None) -> dict:
             r["acc"] = float((torch.round(predict(res.model, xt).clamp(0, 9)).long() == yt).float().mean())
         r["wall_seconds"] = time.perf_counter() - t0
         runs[uid] = r
-        write_result("labeldp_mnist_full", payload(), args.out)
+        save(payload(), args.out, args.variant)
         log(f"  -> acc {r['acc']:.4f}" + (f" mse {r['mse']:.4f}" if r["mse"] is not None else "") +
             f" keep {r.get('label_keep_rate', math.nan):.3f} {r['wall_seconds']:.0f} s")
     out = payload()
-    write_result("labeldp_mnist_full", out, args.out)
+    save(out, args.out, args.variant)
     for m, d in out["classification"].items():
         if m == "non_private":
             log(f"non-private acc {d['mean']:.4f} (n={d['n']})")
