@@ -12,10 +12,12 @@ seeds 0, 1, 2;
 5. the non-private DPGAN (WGAN) seed 0; 6. DPGAN seeds 1, 2; 7. the non-private DP-MERF (paper steps);
 8. the 5 x 40-step DP-MERF at seeds 1, 2.
 
-Writes benchmarks/results/dpgan_mnist_full.json (``dpgan.eps_10.tstr_acc`` = mean over the seeds done,
-``..._std``, ``..._seeds``, ``epsilon_rdp``, ``train_seconds``; ``units`` holds every run) and a
-sample grid per unit, benchmarks/results/dpgan_mnist_full_<unit>.png. One thread
-(``torch.set_num_threads(1)``): seconds are 1-thread CPU seconds on a shared machine.
+Writes benchmarks/results/dpgan_mnist_full.json: the shipped recipes (:data:`SHIPPED`) at the top level
+(``dpgan_hist.eps_10.tstr_acc`` = mean over the seeds done, ``..._std``, ``..._seeds``, ``epsilon_rdp``,
+``train_seconds``; ``units`` holds their runs), every other recipe under ``superseded.<method>`` =
+{reason, base, recipes, results (the same aggregates), units} (:data:`SUPERSEDED`), and a sample grid
+per unit, benchmarks/results/dpgan_mnist_full/<unit>.png. One thread (``torch.set_num_threads(1)``):
+seconds are 1-thread CPU seconds on a shared machine.
 
     nohup nice -n 5 .venv/bin/python benchmarks/dpgan_mnist_full.py > /work/logs/dpgan_full.log 2>&1 &
 """
@@ -35,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, environment, log, merge_new, update_doc_blocks, write_result  # noqa: E402
+from benchmarks.common import RESULTS, environment, log, merge_new, read_result, update_doc_blocks, write_result  # noqa: E402
 from dpmech.datasets.splits import load_splits  # noqa: E402
 from dpmech.dp_merf.trainer import DPMERFConfig, DPMERFTrainer  # noqa: E402
 from dpmech.dpgan.config import DPGANConfig  # noqa: E402
@@ -77,6 +79,22 @@ DPGAN_DCG_BASE = dict(DPGAN_BASE, generator="dcgan")
 DPGAN_HIST_BASE = dict(DPGAN_BASE, fake_labels="dp_histogram", histogram_noise=100.0)
 # dp_merf_paper: the paper's 5 x 120 generator steps (3x the CPU of dp_merf's 5 x 40), seed 0 only.
 MERF_PAPER = {**MERF_BASE, "steps_per_epoch": 120}
+
+# the recipes of sweeps/dpgan_mnist_sok.yaml (and dpgan_mnist.yaml) and sweeps/dp_merf_mnist.yaml: the
+# file's top level; every other method is kept under ``superseded`` with the reason it was replaced
+SHIPPED = {"dpgan": "dpgan_hist (sweeps/dpgan_mnist_sok.yaml); `dpgan` = the same with uniform fake labels",
+           "dp_merf": "dp_merf_paper (sweeps/dp_merf_mnist.yaml)"}
+SUPERSEDED = {
+    "dpgan": "uniform fake labels (Alg. 1 as printed): class 5's samples are noise at every epsilon and epsilon 10 "
+             "missed its target; dpgan_hist draws them from the DP label histogram (docs/dpgan.md)",
+    "dpgan_v2": "40 epochs and generator EMA 0.998 on the uniform-label recipe (epsilon 10): no better than `dpgan`",
+    "dpgan_dcg": "the reference's generator shape on the uniform-label recipe: class 5 still lost (the labels, not "
+                 "the generator, were the cause), ~3x the CPU",
+    "dp_merf": "5 x 40 generator steps (the CPU share of the first run); dp_merf_paper runs the paper's 5 x 120",
+}
+# the recipe of each superseded method (base, per-epsilon recipes where it has its own)
+SUPERSEDED_RECIPES = {"dpgan": (DPGAN_BASE, DPGAN_RECIPES), "dpgan_v2": (DPGAN_V2_BASE, DPGAN_V2),
+                      "dpgan_dcg": (DPGAN_DCG_BASE, DPGAN_RECIPES), "dp_merf": (MERF_BASE, None)}
 
 
 def units():
@@ -148,12 +166,13 @@ def run_unit(method, eps, seed, data, device, progress_every=1):
     ev = evaluate_samples(tr, xt, yt, tstr_samples=TSTR_SAMPLES, tstr_epochs=TSTR_EPOCHS,
                           quality_samples=QUALITY_SAMPLES, seed=seed)
     per_class = class_quality(tr, seed)
-    grid = sample_grid(tr, RESULTS / f"{NAME}_{unit_key(method, eps, seed).replace('.', '_')}.png", seed=seed)
+    (RESULTS / NAME).mkdir(parents=True, exist_ok=True)
+    grid = sample_grid(tr, RESULTS / NAME / f"{unit_key(method, eps, seed).replace('.', '_')}.png", seed=seed)
     priv = tr.privacy()
     row = {"method": method, "epsilon_target": eps, "seed": seed, "config": cfg.to_dict(), **ev,
            "epsilon_rdp": priv["epsilon"], "epsilon_pld": priv["epsilon_pld"],
            "noise_multiplier": priv["noise_multiplier"], "train_seconds": train_s,
-           "eval_seconds": time.perf_counter() - t1, "judge_curve": curve, "sample_grid": grid.name,
+           "eval_seconds": time.perf_counter() - t1, "judge_curve": curve, "sample_grid": f"{NAME}/{grid.name}",
            "sample_quality_by_class": per_class}
     if method.startswith("dpgan"):
         row.update(sampling_rate=priv["sampling_rate"], critic_steps=priv["critic_steps"],
@@ -184,9 +203,21 @@ def aggregate(done: dict) -> dict:
                      "epsilon_rdp": max((r["epsilon_rdp"] for r in rows if r["epsilon_rdp"] is not None), default=None),
                      "train_seconds": statistics.fmean(r["train_seconds"] for r in rows)}
             agg.setdefault(method, {})[ek] = entry
-    if "non_private" in agg.get("dpgan", {}):
-        agg["non_private"] = {"method": "dpgan (WGAN, epsilon null)", **agg["dpgan"]["non_private"]}
     return agg
+
+
+def method_results(result: dict, method: str) -> dict | None:
+    """A method's aggregates: at the top level (a shipped recipe) or under ``superseded``."""
+    if method in result:
+        return result[method]
+    return result.get("superseded", {}).get(method, {}).get("results")
+
+
+def all_units(state: dict) -> dict:
+    """Every run of a results file: the shipped recipes' and the superseded methods' (not the entries of
+    ``superseded`` kept from code that no longer exists, which no unit of :func:`units` names)."""
+    old = state.get("superseded", {})
+    return {**state.get("units", {}), **{k: v for m in SUPERSEDED for k, v in old.get(m, {}).get("units", {}).items()}}
 
 
 # published TSTR accuracies (Hu et al., SoK, S&P 2024, Table 2) and issue 17's targets, for the docs' tables
@@ -211,7 +242,7 @@ def results_table(result: dict, method: str) -> str:
     lines = ["| setting | published (SoK) | target | measured tstr_acc | seeds | epsilon (RDP) | sample_quality "
              "| train s (1 thread) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for ek in ("eps_10", "eps_1", "non_private"):
-        e = result.get(method, {}).get(ek)
+        e = (method_results(result, method) or {}).get(ek)
         pub, tgt = PUBLISHED.get((base, ek)), TARGETS.get((base, ek))
         if e is None:
             if method in (base, "dpgan_dcg", "dpgan_hist"):
@@ -229,7 +260,7 @@ def paper_eps_table(result: dict, method: str = "dpgan_hist") -> str:
     lines = ["| epsilon (target) | expected batch m | tstr_acc | seeds | epsilon (RDP) | sample_quality | train s (1 thread) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for e in PAPER_EPS:
-        r = result.get(method, {}).get(eps_key(e))
+        r = (method_results(result, method) or {}).get(eps_key(e))
         m = dpgan_recipe(DPGAN_RECIPES, e)["batch_size"]
         if r is None:
             lines.append(f"| {e:g} | {m} | not run | - | - | - | - |")
@@ -243,26 +274,36 @@ def update_docs(result: dict, root: Path = Path(__file__).resolve().parent.paren
     """Rewrite the ``results`` block of docs/dpgan.md and docs/dp_merf.md from ``result``."""
     src = f"From benchmarks/results/{NAME}.json by `python benchmarks/{NAME}.py --docs`.\n\n"
     blocks = {root / doc: {"results": src + "\n\n".join(f"{caption}:\n\n{results_table(result, m)}"
-                                                        for m, caption in methods if m in result)}
+                                                        for m, caption in methods
+                                                        if method_results(result, m) is not None)}
               for doc, methods in DOC_TABLES.items()}
     blocks[root / "docs/dpgan.md"]["paper-eps"] = src + paper_eps_table(result)
     return update_doc_blocks(blocks)
 
 
 def payload(done: dict, state: dict, device: torch.device) -> dict:
-    """The JSON: recipes, the per-method aggregates (:func:`aggregate`) and every unit."""
+    """The JSON: the shipped recipes, their per-method aggregates (:func:`aggregate`) and units at the top
+    level; each superseded method's reason, recipe, aggregates and units under ``superseded``."""
+    agg = aggregate(done)
+    superseded = {}
+    for m, reason in SUPERSEDED.items():
+        units_m = {k: r for k, r in done.items() if r["method"] == m}
+        if units_m:
+            base, recipes = SUPERSEDED_RECIPES[m]
+            superseded[m] = {"reason": reason, "base": base,
+                             **({"recipes": {eps_key(k): v for k, v in recipes.items()}} if recipes else {}),
+                             "results": agg[m], "units": units_m}
+    # entries of code that no longer runs (kept as they were)
+    superseded.update({k: v for k, v in state.get("superseded", {}).items() if k not in SUPERSEDED})
     return {"benchmark": NAME, "protocol": f"SoK (Hu et al. 2024): SmallCNN trained on {TSTR_SAMPLES} generated "
             f"labelled images ({TSTR_EPOCHS} epochs), tested on the 10,000 real MNIST test images",
             "threads": 1, "note": "1-thread CPU seconds on a 2-core machine shared with other jobs; judge = SmallCNN "
             "on the last 5,000 real test images (diagnostic for sample_quality; judge_acc is partly in-sample)",
-            "dpgan_recipes": {eps_key(k): v for k, v in DPGAN_RECIPES.items()}, "dpgan_base": DPGAN_BASE,
-            "dp_merf_base": MERF_BASE, "dp_merf_paper_base": MERF_PAPER,
-            "superseded_units": state.get("superseded_units", {}),
-            "dpgan_v2_base": DPGAN_V2_BASE, "dpgan_v2_recipes": {eps_key(k): v for k, v in DPGAN_V2.items()},
-            "dpgan_dcg_base": DPGAN_DCG_BASE, "dpgan_hist_base": DPGAN_HIST_BASE,
-            "shipped_recipe": {"dpgan": "dpgan_hist (sweeps/dpgan_mnist_sok.yaml); `dpgan` = the same with uniform "
-                                        "fake labels", "dp_merf": "dp_merf_paper (sweeps/dp_merf_mnist.yaml)"},
-            **aggregate(done), "units": done, "environment": environment(device)}
+            "shipped_recipe": SHIPPED, "dpgan_hist_base": DPGAN_HIST_BASE,
+            "dpgan_recipes": {eps_key(k): v for k, v in DPGAN_RECIPES.items()}, "dp_merf_paper_base": MERF_PAPER,
+            **{m: a for m, a in agg.items() if m not in SUPERSEDED},
+            "units": {k: r for k, r in done.items() if r["method"] not in SUPERSEDED},
+            "superseded": superseded, "environment": environment(device)}
 
 
 def main(argv=None) -> dict:
@@ -276,7 +317,7 @@ def main(argv=None) -> dict:
     if args.merge:
         path = args.out or RESULTS / f"{NAME}.json"
         state = json.loads(path.read_text()) if path.exists() else {}
-        done = merge_new(state.get("units", {}), args.merge, "units")
+        done = merge_new(all_units(state), args.merge, "units", part=lambda o: {"units": all_units(o)})
         write_result(NAME, payload(done, state, torch.device("cpu")), path)
         return {}
     if args.docs:
@@ -288,7 +329,7 @@ def main(argv=None) -> dict:
     device = torch.device("cpu")
     path = args.out or RESULTS / f"{NAME}.json"
     state = json.loads(path.read_text()) if path.exists() else {}
-    done = state.get("units", {})
+    done = all_units(state)
     log("loading MNIST (60,000 training, 10,000 test images) ...")
     train, test = load_splits("mnist", train_size=None, test_size=None, seed=0)
     x, y = train.tensors
@@ -307,7 +348,7 @@ def main(argv=None) -> dict:
         log(f"{key}: tstr_acc {r['tstr_acc']:.4f}, sample_quality {r['sample_quality']:.3f}, epsilon_rdp "
             f"{r['epsilon_rdp']}, train {r['train_seconds']:.0f} s, eval {r['eval_seconds']:.0f} s")
         # units another process wrote to the same file meanwhile are kept (re-read before each write)
-        done = {**(json.loads(path.read_text()).get("units", {}) if path.exists() else {}), **done, key: r}
+        done = {**all_units(read_result(path)), **done, key: r}
         write_result(NAME, payload(done, state, device), path)
     log("all units done")
     return state

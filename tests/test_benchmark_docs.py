@@ -76,10 +76,10 @@ def test_dpgan_merge_adds_units_from_another_file_without_replacing(tmp_path):
     other.write_text(json.dumps({"units": {"dpgan.eps_10.seed_0": dict(unit, tstr_acc=0.1),
                                            "dpgan.eps_10.seed_1": dict(unit, seed=1, tstr_acc=0.8)}}))
     bench.main(["--out", str(main), "--merge", str(other)])
-    got = json.loads(main.read_text())
+    got = json.loads(main.read_text())["superseded"]["dpgan"]   # dpgan: a superseded recipe (dpgan_hist ships)
     assert got["units"]["dpgan.eps_10.seed_0"]["tstr_acc"] == 0.7           # the existing unit is kept
-    assert got["dpgan"]["eps_10"]["seeds"] == [0, 1]
-    assert abs(got["dpgan"]["eps_10"]["tstr_acc"] - 0.75) < 1e-9
+    assert got["results"]["eps_10"]["seeds"] == [0, 1]
+    assert abs(got["results"]["eps_10"]["tstr_acc"] - 0.75) < 1e-9
 
 
 def test_label_dp_merge_unions_runs_of_the_same_settings_only(tmp_path):
