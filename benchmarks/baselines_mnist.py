@@ -18,7 +18,6 @@ subset, 2 epochs, 200 test images; written under that file's ``demo`` key).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib
 import math
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, log, write_run  # noqa: E402
+from benchmarks.common import demo_parser, environment, log, write_run  # noqa: E402
 
 ATTACKS = {"fgsm": [0.2], "ifgsm": [0.2], "mim": [0.2], "pgd": [0.2]}
 EPSILONS = (0.2, 1.0, 2.0)
@@ -127,18 +126,13 @@ def run_one(name: str, eps: float, args, data, device) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--demo", action="store_true", help="5,000 training images, 2 epochs, 200 test images")
+    ap = demo_parser(__doc__, "5,000 training images, 2 epochs, 200 test images")
     ap.add_argument("--mechanisms", default=",".join(MECHANISMS), help="comma-separated trainables")
     ap.add_argument("--epsilons", default=",".join(f"{e:g}" for e in EPSILONS))
-    ap.add_argument("--train-size", type=int, default=None)
     ap.add_argument("--test", type=int, default=None, help="test images evaluated")
-    ap.add_argument("--epochs", type=int, default=None, help="epochs for every mechanism (default: its own)")
     ap.add_argument("--attack-steps", type=int, default=10, help="iterations of I-FGSM, MIM and PGD")
     ap.add_argument("--train-attack-steps", type=int, default=None, help="DPAL's T_mu")
     ap.add_argument("--n-predict", type=int, default=100, help="DPAL's psi-noisy draws per prediction")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.demo:
         args.train_size = args.train_size or 5000
@@ -184,7 +178,7 @@ def main() -> None:
                "attacks": ATTACKS, "attack_norm": "linf", "attack_steps": args.attack_steps,
                "paper_dpal_fig2_avg": {"0.2": 0.827, "2.0": 0.8959}, "rows": rows,
                "environment": environment(device)}
-    log(f"wrote {write_run('baselines_mnist', payload, args.demo, args.out)}")
+    write_run("baselines_mnist", payload, args.demo, args.out)
 
 
 if __name__ == "__main__":

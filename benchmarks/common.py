@@ -7,6 +7,7 @@ per run, scores, images) in the folder ``benchmarks/results/<name>/``."""
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import platform
@@ -75,13 +76,28 @@ def write_part(name: str, payload: dict, part: str | None = None, out: Path | No
     return write_result(name, new, path)
 
 
+def demo_parser(doc: str, demo_help: str = "small, quick version") -> argparse.ArgumentParser:
+    """The command line of a benchmark with a ``--demo`` mode, to add its own options to: ``--demo``,
+    ``--epochs`` and ``--train-size`` (None: the mode's own), ``--seed``, ``--out`` (see :func:`write_run`)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--demo", action="store_true", help=demo_help)
+    ap.add_argument("--epochs", type=int, default=None, help="epochs (default: the mode's own)")
+    ap.add_argument("--train-size", type=int, default=None, help="training images (default: the mode's own)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None, help="write the results alone to this file instead")
+    return ap
+
+
 def write_run(name: str, payload: dict, demo: bool, out: Path | None = None) -> Path:
     """The results of a benchmark with a ``--demo`` mode: the full run is the top level of
     ``results/<name>.json`` and the demo run its ``demo`` key; writing one keeps the other. With
-    ``out`` the payload alone is written there."""
+    ``out`` the payload alone is written there. Logs the path."""
     if out is not None:
-        return write_result(name, payload, out)
-    return write_part(name, payload, "demo" if demo else None, keep=("demo",))
+        path = write_result(name, payload, out)
+    else:
+        path = write_part(name, payload, "demo" if demo else None, keep=("demo",))
+    log(f"wrote {path}")
+    return path
 
 
 def seed_runs(runs: Path, row: str) -> list[dict]:

@@ -28,7 +28,6 @@ comparable with the paper's.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, log, write_run  # noqa: E402
+from benchmarks.common import demo_parser, environment, log, write_run  # noqa: E402
 from dpmech.robustness.attacks import attack  # noqa: E402
 from dpmech.datasets.splits import load_splits  # noqa: E402
 from dpmech.dpal.config import DPALConfig  # noqa: E402
@@ -107,10 +106,7 @@ def nonprivate_epoch_seconds(cfg: DPALConfig, x, y, epochs: int) -> list[float]:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--demo", action="store_true", help="small, quick version")
-    ap.add_argument("--epochs", type=int, default=None)
-    ap.add_argument("--train-size", type=int, default=None)
+    ap = demo_parser(__doc__)
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--attack-steps", type=int, default=None, help="T_mu in training")
     ap.add_argument("--test", type=int, default=None, help="test images evaluated")
@@ -120,8 +116,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--theta1-bound", type=float, default=1.0)
     ap.add_argument("--bounds", default="hoeffding", choices=("hoeffding", "argmax"))
     ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     demo = args.demo
     epochs = args.epochs or (3 if demo else 30)
@@ -227,8 +221,7 @@ def main(argv=None) -> dict:
     result["environment"] = environment(device)
     log(f"epoch time: DPAL {result['epoch_seconds_dpal_median']:.2f}s vs non-private "
         f"{result['epoch_seconds_nonprivate_median']:.2f}s = {result['epoch_time_ratio']:.2f}x")
-    path = write_run("dpal_mnist", result, demo, args.out)
-    log(f"wrote {path}")
+    write_run("dpal_mnist", result, demo, args.out)
     return result
 
 

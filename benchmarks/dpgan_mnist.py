@@ -18,7 +18,6 @@ of benchmarks/results/dpgan_mnist.json.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import sys
@@ -29,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, log, write_run  # noqa: E402
+from benchmarks.common import demo_parser, environment, log, write_run  # noqa: E402
 from dpmech.datasets.splits import load_held_out, load_splits  # noqa: E402
 from dpmech.dpgan.config import DPGANConfig  # noqa: E402
 from dpmech.dpgan.trainer import DPGANTrainer
@@ -47,15 +46,10 @@ def _fmt(v) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--demo", action="store_true", help="small, quick version")
-    ap.add_argument("--epochs", type=int, default=None)
-    ap.add_argument("--train-size", type=int, default=None)
+    ap = demo_parser(__doc__)
     ap.add_argument("--test-size", type=int, default=None)
     ap.add_argument("--epsilons", type=str, default=None, help="comma-separated; 'none' = non-private")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)
     demo = args.demo
@@ -124,8 +118,7 @@ def main(argv=None) -> dict:
         "note": "epsilon null in rows = infinite (non-private); epsilon_paper_lemma2 is the paper's formula, not a guarantee",
         "environment": environment(device),
     }
-    path = write_run("dpgan_mnist", result, demo, args.out)
-    log(f"wrote {path}")
+    write_run("dpgan_mnist", result, demo, args.out)
     return result
 
 

@@ -21,7 +21,6 @@ docs/dpsgd.md. One line re-measures everything (the figures the docs quote)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys

@@ -17,7 +17,6 @@ job). ``--demo``: 2,000 training and 500 test images, 2 epochs, epsilon in {0.1,
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, log, write_run  # noqa: E402
+from benchmarks.common import demo_parser, environment, log, write_run  # noqa: E402
 from dpmech.datasets.splits import load_splits  # noqa: E402
 from dpmech.label_dp.trainer import LabelDPConfig, LabelDPTrainer  # noqa: E402
 
@@ -59,17 +58,12 @@ def _fmt(v, spec=".4f") -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--demo", action="store_true", help="small, quick version")
-    ap.add_argument("--epochs", type=int, default=None)
-    ap.add_argument("--train-size", type=int, default=None)
+    ap = demo_parser(__doc__)
     ap.add_argument("--test-size", type=int, default=None)
     ap.add_argument("--epsilons", type=float, nargs="+", default=None)
     ap.add_argument("--postprocess", choices=("argmax", "clamp_round"), default="argmax",
                     help="classification + laplace: argmax, or the source's clamp-and-round")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, help="also draw the report's figure to this PNG")
     args = ap.parse_args(argv)
     demo = args.demo
@@ -131,8 +125,7 @@ def main(argv=None) -> dict:
         rows = [{**r, "epsilon": r["epsilon_config"]} for r in results]
         plot_labeldp(rows, args.plot)
         log(f"wrote {args.plot}")
-    path = write_run("labeldp_mnist", result, demo, args.out)
-    log(f"wrote {path}")
+    write_run("labeldp_mnist", result, demo, args.out)
     return result
 
 

@@ -16,7 +16,6 @@ minute on 2 CPU cores and writes it under the ``demo`` key of benchmarks/results
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, log, write_run  # noqa: E402
+from benchmarks.common import demo_parser, environment, log, write_run  # noqa: E402
 from dpmech.robustness.certification import certify  # noqa: E402
 from dpmech.datasets.splits import load_splits  # noqa: E402
 from dpmech.robustness.evaluation import certified_accuracy_curve, predict  # noqa: E402
@@ -74,16 +73,11 @@ def inference_throughput(model, x, passes: int, batch_size: int, device) -> floa
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--demo", action="store_true", help="small, quick version")
-    ap.add_argument("--epochs", type=int, default=None)
-    ap.add_argument("--train-size", type=int, default=None)
+    ap = demo_parser(__doc__)
     ap.add_argument("--certify", type=int, default=None, help="test images to certify")
     ap.add_argument("--n", type=int, default=None, help="noise draws per certified image")
     ap.add_argument("--eta", type=float, default=0.95)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     demo = args.demo
     epochs = args.epochs or (2 if demo else 12)
@@ -166,8 +160,7 @@ def main(argv=None) -> dict:
         f"= {result['certify_throughput_ratio']:.3f}x")
     log(f"guarantee recomputed from the noise used: epsilon {guarantee['epsilon']:.4f} at delta "
         f"{guarantee['delta']}, L {guarantee['attack_bound']}, measured sensitivity {guarantee['sensitivity']:.4f}")
-    path = write_run("pixeldp_mnist", result, demo, args.out)
-    log(f"wrote {path}")
+    write_run("pixeldp_mnist", result, demo, args.out)
     return result
 
 

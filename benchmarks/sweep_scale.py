@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
     if len(rows) > 1:
         result["overhead_growth"] = round(rows[-1]["overhead_per_trial_s"] - rows[0]["overhead_per_trial_s"], 3)
     out = Path(args.out) if args.out else None
-    log(f"wrote {write_run('sweep_scale', result, args.demo, out)}")
+    write_run("sweep_scale", result, args.demo, out)
     log(json.dumps({f"n_{r['trials']}": {k: r[k] for k in ('overhead_per_trial_s', 'report_s', 'driver_rss_mb')}
                     for r in rows}))
     return result
