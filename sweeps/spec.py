@@ -650,7 +650,8 @@ def validate_spec(raw: dict) -> SweepSpec:
 
         check_tuning_space(spec)
         if spec.tuning_privacy.target_epsilon is not None:
-            calibrate_to_target(spec)   # sets the trainable's epsilon; rebuilds spec._spaces
+            calibrate_to_target(spec)   # sets the trainable's epsilon
+            spec._spaces = _build_spaces(spec)
             check_tuning_space(spec)
     if spec.search.algorithm == "optuna":
         for space in spec.spaces:

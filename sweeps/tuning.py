@@ -223,7 +223,7 @@ def calibrate_to_target(spec: "SweepSpec", rtol: float = 1e-3) -> float:
     """``tuning_privacy.target_epsilon``: the largest per-trial epsilon e (to ``rtol``) whose
     end-to-end epsilon, the worst case over the search space's privacy configurations, is at most
     the target; the trainable's ``epsilon`` is set to e (a fixed value, so every trial calibrates its
-    noise to it) and the spaces are rebuilt. The end-to-end epsilon grows with e (each configuration's
+    noise to it; the caller, ``sweeps.spec``, rebuilds the spaces). The end-to-end epsilon grows with e (each configuration's
     noise falls, its RDP curve rises order-wise, and Papernot & Steinke's bound is monotone in the
     curve), so a root finder on log e finds it. Returns e."""
     from trainables.registry import get_trainable
@@ -243,9 +243,6 @@ def calibrate_to_target(spec: "SweepSpec", rtol: float = 1e-3) -> float:
         _CALIBRATED[key] = _solve_trial_epsilon(spec, configs, delta, rtol)
     e = _CALIBRATED[key]
     t.search["epsilon"] = e
-    from sweeps.spec import _build_spaces
-
-    spec._spaces = _build_spaces(spec)
     return e
 
 
