@@ -34,7 +34,7 @@ TRIAL = {"dataset": "mnist", "train_size": 6000, "test_size": 500, "epochs": 4, 
 def standalone_seconds(seed: int, threads: int) -> float:
     """One trial's work through dpmech alone (what a trial computes, without the platform)."""
     from dpmech.datasets.splits import load_splits
-    from trainables.config import PixelDPTrialConfig
+    from trainables.pixeldp import PixelDPTrialConfig
     from trainables.pixeldp import PixelDPMechanism
     from trainables.runtime import evaluate
 

@@ -521,9 +521,9 @@ def _planned_train_size(config: dict) -> int:
     audit canaries (at most that many join the training set)."""
     n = config.get("train_size")
     if n is None:
-        from dpmech.dpsgd.trainer import FULL_TRAIN_SIZES
+        from dpmech.datasets.splits import train_split_size
 
-        n = FULL_TRAIN_SIZES[config.get("dataset", "mnist")]
+        n = train_split_size(config.get("dataset", "mnist"))
     return int(n) + int(config.get("audit_canaries") or 0) + int((config.get("audit") or {}).get("canaries") or 0)
 
 

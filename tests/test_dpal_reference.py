@@ -136,7 +136,7 @@ def test_trainable_reference_mode_metric_names_and_faithful_default():
     """evaluation: reference reports ref_* metrics only (no acc_*, cert_acc_*, epsilon); the default stays faithful."""
     from dpmech.datasets.splits import load_splits
     from sweeps.spec_space import reported_metrics
-    from trainables.config import DPALTrialConfig
+    from trainables.dpal import DPALTrialConfig
     from trainables.dpal import DPALMechanism, ReferenceMechanism, _mechanism, reference_metric_names
 
     assert DPALTrialConfig().evaluation == "faithful"
@@ -177,7 +177,7 @@ def test_trainable_reference_mode_metric_names_and_faithful_default():
 def test_reference_mode_rules(override, field):
     from pydantic import ValidationError
 
-    from trainables.config import DPALTrialConfig
+    from trainables.dpal import DPALTrialConfig
 
     base = dict(evaluation="reference", attacks={"pgd": [0.2]}, attack_labels="predicted")
     with pytest.raises((ValueError, ValidationError), match=field):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from sweeps.spec_space import reported_metrics
-from trainables.config import PixelDPTrialConfig
+from trainables.pixeldp import PixelDPTrialConfig
 from trainables.registry import REGISTRY
 
 

@@ -187,7 +187,8 @@ def test_label_dp_and_dpal_pass_attack_labels(monkeypatch):
 
 
 def test_attack_labels_config_key():
-    from trainables.config import CommonConfig, DPALTrialConfig
+    from trainables.config import CommonConfig
+    from trainables.dpal import DPALTrialConfig
     from trainables.dpsgd import DPSGDTrialConfig
 
     assert CommonConfig().attack_labels == "true" == DPALTrialConfig(epochs=1).attack_labels

@@ -153,7 +153,7 @@ def test_dataset_errors_name_the_field_and_rule(ownpkg, loader, rule):
 
 
 def test_named_dataset_mechanisms_refuse_a_loader(ownpkg):
-    from trainables.config import DPALTrialConfig
+    from trainables.dpal import DPALTrialConfig
     from trainables.runtime import validate_config
 
     msg = _error(validate_config, config={"dataset": "ownpkg_h1.data:load"}, schema=DPALTrialConfig)
@@ -192,7 +192,7 @@ def test_bk_refuses_an_unsupported_layer_and_names_the_engines_that_can(ownpkg):
 
 
 def test_pixeldp_and_secure_sgd_refuse_a_model_but_take_a_loader(ownpkg):
-    from trainables.config import PixelDPTrialConfig
+    from trainables.pixeldp import PixelDPTrialConfig
     from trainables.runtime import validate_config
     from trainables.secure_sgd import SecureSGDTrialConfig
 

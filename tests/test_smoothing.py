@@ -213,7 +213,7 @@ def test_smoothing_certifies_at_least_the_pixeldp_bound_for_the_same_budget():
 def pixeldp_input_noise():
     """A PixelDP CNN with Gaussian noise on its input, trained one epoch on 512 MNIST images."""
     from dpmech.datasets.splits import load_splits
-    from trainables.config import PixelDPTrialConfig
+    from trainables.pixeldp import PixelDPTrialConfig
     from trainables.pixeldp import PixelDPMechanism
 
     torch.manual_seed(0)
@@ -242,7 +242,7 @@ def test_pixeldp_base_plus_gaussian_input_noise_is_its_random_forward_pass(pixel
 
 
 def test_smoothing_classifier_only_for_gaussian_noise_on_the_input():
-    from trainables.config import PixelDPTrialConfig
+    from trainables.pixeldp import PixelDPTrialConfig
     from trainables.pixeldp import PixelDPMechanism
 
     x, y = torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long)
@@ -302,7 +302,8 @@ def test_evaluate_reports_both_certifiers_and_logs_the_smoothing_table(pixeldp_i
 
 
 def test_certifier_smoothing_refused_without_gaussian_input_noise():
-    from trainables.config import CommonConfig, PixelDPTrialConfig
+    from trainables.config import CommonConfig
+    from trainables.pixeldp import PixelDPTrialConfig
     from trainables.runtime import run_trial, validate_config
 
     # PixelDP with the noise after the first convolution: refused when the config is validated

@@ -24,7 +24,7 @@ from sweeps.spec import (
     spec_to_flat_params,
     validate_spec,
 )
-from trainables.config import PixelDPTrialConfig
+from trainables.pixeldp import PixelDPTrialConfig
 from trainables.registry import REGISTRY, TrainableEntry
 
 ROOT = Path(__file__).resolve().parent.parent

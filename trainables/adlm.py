@@ -9,15 +9,14 @@ classifier f(clip(x + chi / |L|)); AdLM has no robustness certificate (``certify
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from dpmech.adlm.trainer import AdLMTrainer
 from trainables.config import CommonConfig
-
-# This module is imported by the registry, which validates specs without importing torch: dpmech and
-# the trial runtime are imported inside the functions, and ``AdLMMechanism`` is built on first use.
+from trainables.entry import TrainableEntry
+from trainables.runtime import TrainerMechanism, run_trial
 
 
 class AdLMTrialConfig(CommonConfig):
@@ -100,66 +99,50 @@ def public_relevance_data(cfg: AdLMTrialConfig, x_train):
     return px[idx], py[idx]
 
 
-@lru_cache(maxsize=None)
-def _mechanism_class():
-    """``AdLMMechanism``, built on first use (it subclasses the runtime's ``TrainerMechanism``)."""
-    from dpmech.adlm.trainer import AdLMTrainer
-    from trainables.runtime import TrainerMechanism
+class AdLMMechanism(TrainerMechanism):
+    """Adapter from the trial config to ``dpmech.adlm.trainer.AdLMTrainer``."""
 
-    class AdLMMechanism(TrainerMechanism):
-        """Adapter from the trial config to ``dpmech.adlm.trainer.AdLMTrainer``."""
+    def __init__(self, cfg: AdLMTrialConfig, x, y, device):
+        rel = public_relevance_data(cfg, x) if cfg.relevance_source == "public" else None
+        if rel is not None:
+            rel = tuple(t.to(device) for t in rel)
+        self.trainer = AdLMTrainer(adlm_config(cfg), x, y, relevance_data=rel, device=device)
 
-        def __init__(self, cfg: AdLMTrialConfig, x, y, device):
-            rel = public_relevance_data(cfg, x) if cfg.relevance_source == "public" else None
-            if rel is not None:
-                rel = tuple(t.to(device) for t in rel)
-            self.trainer = AdLMTrainer(adlm_config(cfg), x, y, relevance_data=rel, device=device)
+    def extra_artifacts(self, directory):
+        """``adlm/relevance.png``: the released (noisy) average relevance R_bar and the per-pixel input noise
+        scale b_j / |L| (log scale); both are outputs of the mechanism, not training examples."""
+        import matplotlib
 
-        def privacy(self) -> dict[str, float]:
-            """epsilon = eps_1 + eps_2 + eps_3 and its components (adlm_eps_relevance, adlm_eps_features,
-            adlm_eps_loss), recomputed from the noise drawn; delta 0."""
-            return {k: float(v) for k, v in self.trainer.privacy().items()}
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
-        def certify(self, x, y, cfg):
-            """AdLM gives no robustness certificate."""
-            return None
-
-        def extra_artifacts(self, directory):
-            """``adlm/relevance.png``: the released (noisy) average relevance R_bar and the per-pixel input noise
-            scale b_j / |L| (log scale); both are outputs of the mechanism, not training examples."""
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            t = self.trainer
-            rel = t.relevance[0].numpy()
-            scale = (t.scales_features[0] / t.config.batch_size).log10().numpy()
-            fig, axes = plt.subplots(1, 2, figsize=(7, 3.2), dpi=110)
-            for ax, img, title in ((axes[0], rel, "released relevance R_bar"),
-                                   (axes[1], scale, "log10 input noise scale")):
-                im = ax.imshow(img, cmap="viridis")
-                ax.set_title(title, fontsize=9)
-                ax.axis("off")
-                fig.colorbar(im, ax=ax, fraction=0.046)
-            fig.tight_layout()
-            path = directory / "relevance.png"
-            fig.savefig(path)
-            plt.close(fig)
-            return [(path, "adlm")]
-
-    AdLMMechanism.__qualname__ = "AdLMMechanism"
-    return AdLMMechanism
-
-
-def __getattr__(name: str):
-    if name == "AdLMMechanism":
-        return _mechanism_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        t = self.trainer
+        rel = t.relevance[0].numpy()
+        scale = (t.scales_features[0] / t.config.batch_size).log10().numpy()
+        fig, axes = plt.subplots(1, 2, figsize=(7, 3.2), dpi=110)
+        for ax, img, title in ((axes[0], rel, "released relevance R_bar"),
+                               (axes[1], scale, "log10 input noise scale")):
+            im = ax.imshow(img, cmap="viridis")
+            ax.set_title(title, fontsize=9)
+            ax.axis("off")
+            fig.colorbar(im, ax=ax, fraction=0.046)
+        fig.tight_layout()
+        path = directory / "relevance.png"
+        fig.savefig(path)
+        plt.close(fig)
+        return [(path, "adlm")]
 
 
 def adlm(config: dict) -> None:
     """Ray Tune function trainable for AdLM (flat config; see the module docstring)."""
-    from trainables.runtime import run_trial
+    run_trial(config, AdLMTrialConfig, AdLMMechanism, "adlm")
 
-    run_trial(config, AdLMTrialConfig, _mechanism_class(), "adlm")
+
+TRAINABLES = (
+    TrainableEntry(
+        "adlm", "trainables.adlm:adlm", AdLMTrialConfig,
+        "AdLM (Phan et al., ICDM 2017): LRP relevance released with Laplace noise, relevance-adaptive Laplace "
+        "noise on the first affine transformation, functional-mechanism loss; epsilon = eps_1 + eps_2 + eps_3 "
+        "(the paper's accounting, docs/adlm.md); no certificate.",
+        epsilon_protects="training examples, by the paper's accounting (eps_1 + eps_2 + eps_3; docs/adlm.md)"),
+)

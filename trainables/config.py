@@ -252,80 +252,16 @@ def refuse_model(value, trainable: str):
     return value
 
 
-class PixelDPTrialConfig(CommonConfig):
-    """PixelDP (Lecuyer et al. 2018): a noise layer calibrated to (epsilon, delta, L)."""
-
-    accepts_custom_dataset: ClassVar[bool] = True
-    model: None = own_network_field()
-
-    @field_validator("model", mode="before")
-    @classmethod
-    def _no_model(cls, value):
-        return refuse_model(value, "pixeldp")
-
-    # epsilon/delta are robustness parameters of the noise layer, not a training-data guarantee:
-    # privacy_delta_key stays None, the delta rules do not apply
-    has_certificate: ClassVar[bool] = True
-    loss_is_cross_entropy: ClassVar[bool] = True
-
-    epsilon: float = Field(1.0, gt=0, allow_inf_nan=False, description="PixelDP epsilon of the noise layer")
-    delta: float = Field(0.05, gt=0, lt=1, description="PixelDP delta (l2 / Gaussian only)")
-    attack_bound: float = Field(0.1, gt=0, allow_inf_nan=False, description="construction attack bound L ([-1, 1] domain)")
-    norm: Literal["l2", "l1"] = Field("l2", description="l2: Gaussian noise; l1: Laplace noise")
-    noise_after: Literal[0, 1] = Field(1, description="0: noise on the input; 1: after the first convolution")
-    epochs: int = Field(5, gt=0, description="training epochs")
-    batch_size: int = Field(128, gt=0, description="minibatch size")
-    lr: float = Field(1e-3, gt=0, allow_inf_nan=False, description="learning rate")
-    optimizer: Literal["adam", "sgd"] = Field("adam", description="optimizer")
-    weight_decay: float = Field(0.0, ge=0, description="L2 weight decay")
-    noise_ramp_epochs: float = Field(0.0, ge=0, description="linear ramp of the noise from 0 to full over this many epochs")
-    certify_calibration: Literal["analytic", "classic"] = Field(
-        "analytic", description="certified-size search: exact Gaussian calibration, or the reference's classic formula with eps' <= 1")
-    certify_exact_sensitivity: bool = Field(
-        True, description="correct the certified size with the measured pre-noise sensitivity (False: the construction bound 1, as the paper)")
-
-    def smoothing_unavailable(self) -> str | None:
-        if self.noise_after != 0 or self.norm != "l2":
-            return "randomized smoothing needs Gaussian noise on the input (set noise_after: 0 and norm: l2)"
-        return None
+def trial_config(config: dict) -> dict:
+    """Flatten the CLI's pre-expanded grid form ``{"trial": {...}, "_mlflow": ...}``."""
+    if isinstance(config.get("trial"), dict):
+        return {**config["trial"], **{k: v for k, v in config.items() if k != "trial"}}
+    return dict(config)
 
 
-class DPALTrialConfig(CommonConfig):
-    """DPAL (docs/dpal.md): DP adversarial learning with the composition robustness bound."""
+def planned_train_size(cfg: CommonConfig) -> int:
+    """N of a trial's privacy plan: ``train_size``, or the size of the full training split (a
+    public number: a trainer plans q, steps and sigma from it, never from the data it is handed)."""
+    from dpmech.datasets.splits import train_split_size
 
-    has_certificate: ClassVar[bool] = True  # verified inference
-
-    eps_t: float = Field(1.0, gt=0, allow_inf_nan=False, description="total privacy budget of Theorem 4 (eps_1 + eps_1/gamma_x + eps_1/gamma + eps_2)")
-    psi: float = Field(2.0, gt=0, allow_inf_nan=False, description="inference noise scale-down of Appendix L (MNIST 2, CIFAR-10 10)")
-    xi: float = Field(1.0, ge=0, allow_inf_nan=False, description="weight of the adversarial term in Eq. 10")
-    train_attacks: list[Literal["ifgsm", "mim", "pgd"]] = Field(
-        default_factory=lambda: ["ifgsm", "mim", "pgd"], min_length=1,
-        description="Alg. 1's ensemble A crafting DP adversarial examples (pgd = MadryEtAl)")
-    train_attack_steps: int = Field(10, gt=0, description="T_mu: iterations of the training attacks")
-    mu_a: float = Field(0.2, gt=0, allow_inf_nan=False, description="attack size tested by isRobust (Alg. 1 line 15), l-inf, [-1, 1] domain")
-    theta1_bound: float = Field(1.0, gt=0, allow_inf_nan=False, description="enforced l1 operator-norm bound on theta_1 (gamma of Lemma 3)")
-    epochs: int = Field(10, gt=0, description="training epochs")
-    batch_size: int = Field(2499, gt=1, description="m: size of the fixed disjoint batches")
-    lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="learning rate")
-    attack_norm: Literal["linf"] = Field("linf", description="DPAL is evaluated under l-inf attacks")
-    n_predict: int = Field(100, gt=0, description="psi-noisy draws per prediction in accuracy metrics")
-    certify_bounds: Literal["argmax", "hoeffding"] = Field("hoeffding", description="confidence bound of verified inference (the paper: Hoeffding)")
-    evaluation: Literal["faithful", "reference"] = Field(
-        "faithful", description="faithful: dpsweep's DPAL (docs/dpal.md); reference: the reference code's training and "
-        "evaluation protocol, reported as ref_* metrics (reference protocol: not a DP guarantee, not a white-box attack, "
-        "not a certificate; docs/dpal.md 'The reference protocol')")
-    ref_eval_every: int = Field(10, gt=0, description="reference: evaluate every this many epochs (of int(N / batch_size) "
-                                "steps) and report the maximum over the evaluations, as the reference does")
-
-    def smoothing_unavailable(self) -> str | None:
-        return ("DPAL's noise is Laplace noise fixed at training plus psi-scaled Laplace noise at inference, not "
-                "Gaussian noise on the input; its certificate is verified inference (certifier: default)")
-
-    @model_validator(mode="after")
-    def _mechanism_rules(self):
-        """Cross-key rules of the mechanism itself (e.g. Appendix M's eps_t >= 2 on CIFAR-10)."""
-        from trainables.dpal import dpal_config, reference_rules
-
-        dpal_config(self)  # raises ValueError naming the field
-        reference_rules(self)
-        return self
+    return int(cfg.train_size) if cfg.train_size is not None else train_split_size(cfg.dataset)

@@ -3,14 +3,10 @@ trainable named by the trial config's ``trainable`` key."""
 
 from __future__ import annotations
 
+from trainables.config import trial_config
 from trainables.registry import get_trainable
 
-
-def trial_config(config: dict) -> dict:
-    """Flatten the CLI's pre-expanded grid form ``{"trial": {...}, "_mlflow": ...}``."""
-    if isinstance(config.get("trial"), dict):
-        return {**config["trial"], **{k: v for k, v in config.items() if k != "trial"}}
-    return dict(config)
+__all__ = ["dispatch", "trial_config"]
 
 
 def dispatch(config: dict) -> None:

@@ -14,10 +14,10 @@ import torch
 from pydantic import Field, model_validator
 
 from dpmech.dp_merf.trainer import PAPER_LENGTHSCALE, DPMERFConfig, DPMERFTrainer, planned_event
-from dpmech.dpgan.evaluate import evaluate_samples, sample_grid
 from trainables.config import CommonConfig
-from trainables.dpgan import judge_data
-from trainables.runtime import TrainerMechanism, run_trial
+from trainables.dpgan import GenerativeMechanism, judge_data
+from trainables.entry import TrainableEntry
+from trainables.runtime import run_trial
 
 _TRAINER_KEYS = ("dataset", "epsilon", "delta", "n_features", "lengthscale", "count_weight", "epochs",
                  "steps_per_epoch", "batch_size", "lr", "lr_decay", "code_dim", "hidden", "seed")
@@ -73,24 +73,13 @@ def privacy_event(cfg: DPMERFTrialConfig):
     return planned_event(dp_merf_config(cfg))
 
 
-class DPMERFMechanism(TrainerMechanism):
+class DPMERFMechanism(GenerativeMechanism):
     """Adapter from the trial config to ``dpmech.dp_merf.trainer.DPMERFTrainer``."""
 
     def __init__(self, cfg: DPMERFTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
         self.cfg = cfg
         self.trainer = DPMERFTrainer(dp_merf_config(cfg), x, y, device=device, judge_data=judge_data(cfg),
                                      judge_epochs=cfg.judge_epochs, eval_samples=cfg.eval_samples)
-
-    def privacy(self):
-        return {k: float(v) for k, v in self.trainer.privacy().items()}
-
-    def conventional_accuracy(self, x, y, cfg: DPMERFTrialConfig) -> dict[str, float]:
-        """tstr_acc (= acc_clean), sample_quality, sample_confidence, classifier_score, judge_acc."""
-        return evaluate_samples(self.trainer, x, y, tstr_samples=cfg.tstr_samples, tstr_epochs=cfg.tstr_epochs,
-                                quality_samples=cfg.quality_samples, seed=cfg.seed)
-
-    def certify(self, x, y, cfg):
-        return None
 
     def membership_scores(self, x: torch.Tensor, y: torch.Tensor):
         """Similarity of each (x, y) to the released mean embedding (<phi(x) e_y^T, mu~>): the
@@ -103,12 +92,19 @@ class DPMERFMechanism(TrainerMechanism):
                          @ tr.target) for i in range(x.shape[0])]
         return torch.tensor(out).numpy()
 
-    def extra_artifacts(self, directory):
-        """``samples/samples.png``: 10 generated images per class, one row per class."""
-        path = sample_grid(self.trainer, directory / "samples.png", per_class=10, seed=self.cfg.seed)
-        return [(path, "samples")]
-
 
 def dp_merf(config: dict) -> None:
     """Ray Tune function trainable for DP-MERF (flat config; see the module docstring)."""
     run_trial(config, DPMERFTrialConfig, DPMERFMechanism, "dp_merf")
+
+
+TRAINABLES = (
+    TrainableEntry(
+        "dp_merf", "trainables.dp_merf:dp_merf", DPMERFTrialConfig,
+        "DP-MERF (Harder et al. 2021): one Gaussian release of the random-Fourier-feature mean embedding of (image, "
+        "label) pairs (sensitivity 1 with a noisy-count coordinate), a conditional generator matched to it with no "
+        "further data access; evaluated by train-on-synthetic accuracy (docs/dp_merf.md).",
+        epsilon_protects="training examples (one Gaussian release, RDP/PLD)",
+        privacy_event="trainables.dp_merf:privacy_event",
+        privacy_keys=PRIVACY_KEYS),
+)

@@ -1,6 +1,6 @@
 """The ``dpal`` trainable: DPAL training and verified inference under Ray Tune.
 
-Every key and its default: ``trainables.config.DPALTrialConfig`` (``dpsweep mechanisms``). The
+Every key and its default: ``DPALTrialConfig`` below (``dpsweep mechanisms``). The
 mechanism itself is ``dpmech.dpal``; the decisions it takes are in docs/dpal.md.
 
 ``evaluation: faithful`` (the default) is dpsweep's DPAL. ``evaluation: reference`` trains and evaluates as the
@@ -11,14 +11,57 @@ the paper's numbers come from (docs/dpal.md, "The reference protocol").
 
 from __future__ import annotations
 
+from typing import ClassVar, Literal
+
 import torch
+from pydantic import Field, model_validator
 
 from dpmech.dpal.config import DPALConfig
 from dpmech.dpal.trainer import DPALTrainer
 from dpmech.dpal.verify import conventional_accuracy_under_attack, verified_inference
 from dpmech.robustness.evaluation import format_size, metric_name
-from trainables.config import DPALTrialConfig
+from trainables.config import CommonConfig
+from trainables.entry import TrainableEntry
 from trainables.runtime import TrainerMechanism, run_trial
+
+
+class DPALTrialConfig(CommonConfig):
+    """DPAL (docs/dpal.md): DP adversarial learning with the composition robustness bound."""
+
+    has_certificate: ClassVar[bool] = True  # verified inference
+
+    eps_t: float = Field(1.0, gt=0, allow_inf_nan=False, description="total privacy budget of Theorem 4 (eps_1 + eps_1/gamma_x + eps_1/gamma + eps_2)")
+    psi: float = Field(2.0, gt=0, allow_inf_nan=False, description="inference noise scale-down of Appendix L (MNIST 2, CIFAR-10 10)")
+    xi: float = Field(1.0, ge=0, allow_inf_nan=False, description="weight of the adversarial term in Eq. 10")
+    train_attacks: list[Literal["ifgsm", "mim", "pgd"]] = Field(
+        default_factory=lambda: ["ifgsm", "mim", "pgd"], min_length=1,
+        description="Alg. 1's ensemble A crafting DP adversarial examples (pgd = MadryEtAl)")
+    train_attack_steps: int = Field(10, gt=0, description="T_mu: iterations of the training attacks")
+    mu_a: float = Field(0.2, gt=0, allow_inf_nan=False, description="attack size tested by isRobust (Alg. 1 line 15), l-inf, [-1, 1] domain")
+    theta1_bound: float = Field(1.0, gt=0, allow_inf_nan=False, description="enforced l1 operator-norm bound on theta_1 (gamma of Lemma 3)")
+    epochs: int = Field(10, gt=0, description="training epochs")
+    batch_size: int = Field(2499, gt=1, description="m: size of the fixed disjoint batches")
+    lr: float = Field(1e-4, gt=0, allow_inf_nan=False, description="learning rate")
+    attack_norm: Literal["linf"] = Field("linf", description="DPAL is evaluated under l-inf attacks")
+    n_predict: int = Field(100, gt=0, description="psi-noisy draws per prediction in accuracy metrics")
+    certify_bounds: Literal["argmax", "hoeffding"] = Field("hoeffding", description="confidence bound of verified inference (the paper: Hoeffding)")
+    evaluation: Literal["faithful", "reference"] = Field(
+        "faithful", description="faithful: dpsweep's DPAL (docs/dpal.md); reference: the reference code's training and "
+        "evaluation protocol, reported as ref_* metrics (reference protocol: not a DP guarantee, not a white-box attack, "
+        "not a certificate; docs/dpal.md 'The reference protocol')")
+    ref_eval_every: int = Field(10, gt=0, description="reference: evaluate every this many epochs (of int(N / batch_size) "
+                                "steps) and report the maximum over the evaluations, as the reference does")
+
+    def smoothing_unavailable(self) -> str | None:
+        return ("DPAL's noise is Laplace noise fixed at training plus psi-scaled Laplace noise at inference, not "
+                "Gaussian noise on the input; its certificate is verified inference (certifier: default)")
+
+    @model_validator(mode="after")
+    def _mechanism_rules(self):
+        """Cross-key rules of the mechanism itself (e.g. Appendix M's eps_t >= 2 on CIFAR-10)."""
+        dpal_config(self)  # raises ValueError naming the field
+        reference_rules(self)
+        return self
 
 
 def dpal_config(cfg: DPALTrialConfig) -> DPALConfig:
@@ -35,9 +78,6 @@ class DPALMechanism(TrainerMechanism):
 
     def __init__(self, cfg: DPALTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
         self.trainer = DPALTrainer(dpal_config(cfg), x, y, device=device)
-
-    def privacy(self):
-        return {k: float(v) for k, v in self.trainer.privacy().items()}
 
     def conventional_accuracy(self, x, y, cfg: DPALTrialConfig) -> dict[str, float]:
         """Section 4's conventional accuracy, clean and under each configured l-inf attack (labels of
@@ -203,3 +243,12 @@ def _mechanism(cfg: DPALTrialConfig, x, y, device):
 def dpal(config: dict) -> None:
     """Ray Tune function trainable for DPAL (flat config; see the module docstring)."""
     run_trial(config, DPALTrialConfig, _mechanism, "dpal")
+
+
+TRAINABLES = (
+    TrainableEntry(
+        "dpal", "trainables.dpal:dpal", DPALTrialConfig,
+        "DPAL (ICLR 2020 submission, StoBatch lineage): DP auto-encoder and DP adversarial objective with "
+        "fixed noise and disjoint batches (Theorem 4), verified inference with the (kappa + phi)_max bound.",
+        epsilon_protects="training examples, by the paper's Theorem 4 accounting (eps_t; docs/dpal.md)"),
+)

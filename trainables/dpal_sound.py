@@ -15,12 +15,17 @@ docs/dpal_sound.md, docs/metrics.md.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import ClassVar, Literal
 
+import torch
 from pydantic import Field, field_validator, model_validator
 
-from trainables.config import CommonConfig
+from dpmech.dpal_sound.trainer import DPALSoundTrainer, NoisyClassifier, evaluate
+from dpmech.dpsgd.trainer import build_dpsgd_model, stream_seed
+from trainables.audit_config import whitebox_canaries
+from trainables.config import CommonConfig, planned_train_size
+from trainables.entry import TrainableEntry
+from trainables.runtime import TrainerMechanism, run_trial
 
 METRICS = ("acc_clean_smoothed", "abstain_rate_smoothed", "cert_abstain_rate", "epsilon_pld", "noise_multiplier",
            "sampling_rate", "steps")
@@ -109,12 +114,6 @@ def sound_config(cfg: DPALSoundTrialConfig):
                            attacks=tuple(cfg.train_attacks), attack_steps=cfg.train_attack_steps)
 
 
-def planned_train_size(cfg: DPALSoundTrialConfig) -> int:
-    from dpmech.dpsgd.trainer import FULL_TRAIN_SIZES
-
-    return int(cfg.train_size) if cfg.train_size is not None else FULL_TRAIN_SIZES[cfg.dataset]
-
-
 def privacy_event(cfg: DPALSoundTrialConfig):
     """The dp-accounting event of one trial, planned from its config (what the ledger records when
     the trial runs to the end)."""
@@ -126,66 +125,58 @@ def privacy_event(cfg: DPALSoundTrialConfig):
 PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "dataset", "accountant")
 
 
-@lru_cache(maxsize=None)
-def _mechanism_class():
-    import torch
+class DPALSoundMechanism(TrainerMechanism):
+    """Adapter from the trial config to ``dpmech.dpal_sound.trainer.DPALSoundTrainer``."""
 
-    from dpmech.dpal_sound.trainer import DPALSoundTrainer, NoisyClassifier, evaluate
-    from dpmech.dpsgd.trainer import build_dpsgd_model, stream_seed
-    from trainables.audit_config import whitebox_canaries
-    from trainables.runtime import TrainerMechanism
+    def __init__(self, cfg: DPALSoundTrialConfig, x, y, device):
+        self.sigma = float(cfg.smoothing_sigma)
+        self.seed = int(cfg.seed)
+        self.trainer = DPALSoundTrainer(build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model), x, y, sound_config(cfg),
+                                        device=device, plan_size=planned_train_size(cfg),
+                                        canaries=whitebox_canaries(cfg))
 
-    class DPALSoundMechanism(TrainerMechanism):
-        """Adapter from the trial config to ``dpmech.dpal_sound.trainer.DPALSoundTrainer``."""
+    def test_accuracy(self, x, y) -> float:
+        """Per-epoch ``test_acc``: f(x + z) with one noise draw per image (the classifier under its noise)."""
+        gen = torch.Generator(device=x.device).manual_seed(stream_seed(self.seed, 200 + self.epoch))
+        noisy = NoisyClassifier(self.model, self.sigma, gen)
+        self.model.eval()
+        correct = 0
+        with torch.no_grad():
+            for s in range(0, x.shape[0], 1000):
+                correct += int((noisy(x[s:s + 1000]).argmax(1) == y[s:s + 1000]).sum())
+        return correct / x.shape[0]
 
-        def __init__(self, cfg: DPALSoundTrialConfig, x, y, device):
-            self.sigma = float(cfg.smoothing_sigma)
-            self.seed = int(cfg.seed)
-            self.trainer = DPALSoundTrainer(build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model), x, y, sound_config(cfg),
-                                            device=device, plan_size=planned_train_size(cfg),
-                                            canaries=whitebox_canaries(cfg))
+    def conventional_accuracy(self, x, y, cfg: DPALSoundTrialConfig) -> dict[str, float]:
+        """Every dpal_sound metric (dpmech.dpal_sound.trainer.evaluate): smoothed clean accuracy, white-box
+        EOT attacks on the noisy classifier, randomized-smoothing certificates."""
+        return evaluate(self.model, self.sigma, x, y, seed=cfg.seed, predict_n=cfg.n_predict,
+                        cert_size=cfg.certify_images, cert_n0=cfg.smoothing_n0, cert_n=cfg.certify_n,
+                        alpha=cfg.smoothing_alpha, l2_radii=tuple(cfg.cert_l2_radii),
+                        linf_sizes=tuple(cfg.cert_linf_sizes), attacks=cfg.attacks,
+                        pgd_size_n=cfg.attack_images, pgd_steps=cfg.attack_steps, eot_samples=cfg.eot_samples)
 
-        def test_accuracy(self, x, y) -> float:
-            """Per-epoch ``test_acc``: f(x + z) with one noise draw per image (the classifier under its noise)."""
-            gen = torch.Generator(device=x.device).manual_seed(stream_seed(self.seed, 200 + self.epoch))
-            noisy = NoisyClassifier(self.model, self.sigma, gen)
-            self.model.eval()
-            correct = 0
-            with torch.no_grad():
-                for s in range(0, x.shape[0], 1000):
-                    correct += int((noisy(x[s:s + 1000]).argmax(1) == y[s:s + 1000]).sum())
-            return correct / x.shape[0]
+    def privacy(self) -> dict[str, float]:
+        return self.trainer.privacy()
 
-        def conventional_accuracy(self, x, y, cfg: DPALSoundTrialConfig) -> dict[str, float]:
-            """Every dpal_sound metric (dpmech.dpal_sound.trainer.evaluate): smoothed clean accuracy, white-box
-            EOT attacks on the noisy classifier, randomized-smoothing certificates."""
-            return evaluate(self.model, self.sigma, x, y, seed=cfg.seed, predict_n=cfg.n_predict,
-                            cert_size=cfg.certify_images, cert_n0=cfg.smoothing_n0, cert_n=cfg.certify_n,
-                            alpha=cfg.smoothing_alpha, l2_radii=tuple(cfg.cert_l2_radii),
-                            linf_sizes=tuple(cfg.cert_linf_sizes), attacks=cfg.attacks,
-                            pgd_size_n=cfg.attack_images, pgd_steps=cfg.attack_steps, eot_samples=cfg.eot_samples)
-
-        def privacy(self) -> dict[str, float]:
-            return self.trainer.privacy()
-
-        def certify(self, x, y, cfg):
-            return None   # the certificate is randomized smoothing, computed in conventional_accuracy
-
-        def smoothing_classifier(self):
-            return (self.model, self.sigma)
-
-    DPALSoundMechanism.__qualname__ = "DPALSoundMechanism"
-    return DPALSoundMechanism
-
-
-def __getattr__(name: str):
-    if name == "DPALSoundMechanism":
-        return _mechanism_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def smoothing_classifier(self):
+        return (self.model, self.sigma)
 
 
 def dpal_sound(config: dict) -> None:
     """Ray Tune function trainable for dpal_sound (flat config; see the module docstring)."""
-    from trainables.runtime import run_trial
+    run_trial(config, DPALSoundTrialConfig, DPALSoundMechanism, "dpal_sound")
 
-    run_trial(config, DPALSoundTrialConfig, _mechanism_class(), "dpal_sound")
+
+TRAINABLES = (
+    TrainableEntry(
+        "dpal_sound", "trainables.dpal_sound:dpal_sound", DPALSoundTrialConfig,
+        "dpal_sound: a sound DPAL. DP-SGD (Poisson sampling, per-example clipping of the benign + adversarial "
+        "pass of each example, RDP/PLD ledger) on DPAL's adversarial objective with an attack ensemble, Gaussian "
+        "input noise at training and inference; certified by randomized smoothing, attacked white-box with EOT "
+        "(docs/dpal_sound.md).",
+        epsilon_protects="training examples (RDP/PLD ledger; the whole epsilon is DP-SGD's)",
+        privacy_event="trainables.dpal_sound:privacy_event",
+        privacy_keys=PRIVACY_KEYS,
+        metrics=METRICS + tuple(f"cert_l2_acc_{r:g}" for r in (0.25, 0.5, 0.75, 1.0))
+        + tuple(f"cert_linf_acc_{s:g}" for s in (0.01, 0.02, 0.03, 0.05))),
+)

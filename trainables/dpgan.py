@@ -12,11 +12,11 @@ from typing import Annotated, ClassVar, Literal
 import torch
 from pydantic import Field, model_validator
 
-from dpmech.dpgan.config import DPGANConfig
-from dpmech.dpgan.trainer import DPGANTrainer
-from dpmech.dpgan.config import planned_event
+from dpmech.dpgan.config import DPGANConfig, planned_event
 from dpmech.dpgan.evaluate import evaluate_samples, sample_grid
-from trainables.config import CommonConfig
+from dpmech.dpgan.trainer import DPGANTrainer
+from trainables.config import CommonConfig, planned_train_size
+from trainables.entry import TrainableEntry
 from trainables.runtime import TrainerMechanism, run_trial
 
 _TRAINER_KEYS = ("dataset", "epsilon", "delta", "epochs", "batch_size", "n_critic", "clip_grad", "clip_weight",
@@ -76,14 +76,6 @@ def dpgan_config(cfg: DPGANTrialConfig) -> DPGANConfig:
     return DPGANConfig(**{k: getattr(cfg, k) for k in _TRAINER_KEYS})
 
 
-def planned_train_size(cfg: DPGANTrialConfig) -> int:
-    """N of the privacy plan: ``train_size``, or the full training split (a public number; the
-    trainer plans q, steps and sigma from it, never from the size of the data it is handed)."""
-    from dpmech.dpgan.config import TRAIN_SPLIT_SIZE
-
-    return int(cfg.train_size) if cfg.train_size is not None else TRAIN_SPLIT_SIZE[cfg.dataset]
-
-
 def privacy_event(cfg: DPGANTrialConfig):
     """The trial's planned dp-accounting event (the label histogram's Gaussian release when
     ``fake_labels`` is dp_histogram, then the Poisson-subsampled Gaussian critic steps): exactly
@@ -106,7 +98,24 @@ def judge_data(cfg: DPGANTrialConfig) -> tuple[torch.Tensor, torch.Tensor] | Non
     return x[idx], y[idx]
 
 
-class DPGANMechanism(TrainerMechanism):
+class GenerativeMechanism(TrainerMechanism):
+    """The evaluation shared by the generative mechanisms (dpgan, dp_merf): ``acc_clean`` is the
+    train-on-synthetic, test-on-real accuracy of their samples; a grid of samples is an artifact."""
+
+    cfg: CommonConfig
+
+    def conventional_accuracy(self, x, y, cfg: CommonConfig) -> dict[str, float]:
+        """tstr_acc (= acc_clean), sample_quality, sample_confidence, classifier_score, judge_acc."""
+        return evaluate_samples(self.trainer, x, y, tstr_samples=cfg.tstr_samples, tstr_epochs=cfg.tstr_epochs,
+                                quality_samples=cfg.quality_samples, seed=cfg.seed)
+
+    def extra_artifacts(self, directory):
+        """``samples/samples.png``: 10 generated images per class, one row per class."""
+        path = sample_grid(self.trainer, directory / "samples.png", per_class=10, seed=self.cfg.seed)
+        return [(path, "samples")]
+
+
+class DPGANMechanism(GenerativeMechanism):
     """Adapter from the trial config to ``dpmech.dpgan.trainer.DPGANTrainer``."""
 
     def __init__(self, cfg: DPGANTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
@@ -117,27 +126,24 @@ class DPGANMechanism(TrainerMechanism):
                                     judge_epochs=cfg.judge_epochs, eval_samples=cfg.eval_samples,
                                     plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg))
 
-    def privacy(self):
-        return {k: float(v) for k, v in self.trainer.privacy().items()}
-
-    def conventional_accuracy(self, x, y, cfg: DPGANTrialConfig) -> dict[str, float]:
-        """tstr_acc (= acc_clean), sample_quality, sample_confidence, classifier_score, judge_acc."""
-        return evaluate_samples(self.trainer, x, y, tstr_samples=cfg.tstr_samples, tstr_epochs=cfg.tstr_epochs,
-                                quality_samples=cfg.quality_samples, seed=cfg.seed)
-
-    def certify(self, x, y, cfg):
-        return None
-
     def membership_scores(self, x: torch.Tensor, y: torch.Tensor):
         """The critic's score f_w(x, y): high where the critic takes (x, y) for real data."""
         return self.trainer.critic_scores(x, y).numpy()
-
-    def extra_artifacts(self, directory):
-        """``samples/samples.png``: 10 generated images per class, one row per class."""
-        path = sample_grid(self.trainer, directory / "samples.png", per_class=10, seed=self.cfg.seed)
-        return [(path, "samples")]
 
 
 def dpgan(config: dict) -> None:
     """Ray Tune function trainable for DPGAN (flat config; see the module docstring)."""
     run_trial(config, DPGANTrialConfig, DPGANMechanism, "dpgan")
+
+
+TRAINABLES = (
+    TrainableEntry(
+        "dpgan", "trainables.dpgan:dpgan", DPGANTrialConfig,
+        "DPGAN (Xie et al. 2018): conditional WGAN, critic steps on Poisson-sampled real data with per-example "
+        "clipping at c_g, Gaussian noise and weight clipping; RDP/PLD epsilon from the ledger; evaluated by "
+        "train-on-synthetic accuracy (docs/dpgan.md).",
+        epsilon_protects="training examples (RDP/PLD ledger of the critic's steps)",
+        privacy_event="trainables.dpgan:privacy_event",
+        privacy_keys=("epsilon", "delta", "epochs", "batch_size", "train_size", "dataset", "fake_labels",
+                      "histogram_noise")),
+)

@@ -19,12 +19,16 @@ default: :class:`DPSGDTrialConfig` (``dpsweep mechanisms``); the mechanism: docs
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import ClassVar, Literal
 
+import torch
 from pydantic import Field, field_validator, model_validator
 
-from trainables.config import CommonConfig, check_user_model
+from dpmech.dpsgd.trainer import DPSGDTrainer, build_dpsgd_model
+from trainables.audit_config import whitebox_canaries
+from trainables.config import CommonConfig, check_user_model, planned_train_size
+from trainables.entry import TrainableEntry
+from trainables.runtime import TrainerMechanism, run_trial
 
 BUILTIN_MODELS = ("pixeldp_cnn", "tb_cnn", "tb_cnn_gn")
 FEATURE_MODELS = ("linear", "scatter_cnn")      # classifiers on ScatterNet features (features: scatternet)
@@ -43,9 +47,6 @@ def model_field(value: str, info, *, bk: bool = False, trainable: str = "") -> s
                          f"'package.module:factory', got {value!r}")
     check_user_model(value, info, bk=bk, trainable=trainable)
     return value
-
-# The registry imports this module to validate specs without importing torch: dpmech and the trial
-# runtime are imported inside the functions, and ``DPSGDMechanism`` is built on first use.
 
 
 class DPSGDTrialConfig(CommonConfig):
@@ -162,13 +163,6 @@ class DPSGDTrialConfig(CommonConfig):
         return None
 
 
-def planned_train_size(cfg: DPSGDTrialConfig) -> int:
-    """N of the privacy plan: train_size, or the full training split."""
-    from dpmech.dpsgd.trainer import FULL_TRAIN_SIZES
-
-    return int(cfg.train_size) if cfg.train_size is not None else FULL_TRAIN_SIZES[cfg.dataset]
-
-
 def dpsgd_config(cfg: DPSGDTrialConfig):
     """The dpmech configuration of a trial (one-line ValueError naming the key on a bad value)."""
     from dpmech.dpsgd.trainer import DPSGDConfig
@@ -192,104 +186,94 @@ def privacy_event(cfg: DPSGDTrialConfig):
 PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "dataset", "accountant")
 
 
-@lru_cache(maxsize=None)
-def _mechanism_class():
-    """``DPSGDMechanism``, built on first use (it subclasses the runtime's ``TrainerMechanism``)."""
-    import torch
+class DPSGDMechanism(TrainerMechanism):
+    """Adapter from the trial config to ``dpmech.dpsgd.trainer.DPSGDTrainer``."""
 
-    from dpmech.dpsgd.trainer import DPSGDTrainer, build_dpsgd_model
-    from trainables.audit_config import whitebox_canaries
-    from trainables.runtime import TrainerMechanism
+    def __init__(self, cfg: DPSGDTrialConfig, x, y, device):
+        self.sigma = float(cfg.noise_augmentation_sigma)
+        self.extractor = self.deployed = None
+        if cfg.features == "scatternet":
+            model, x = self._scatternet(cfg, x, device)
+        else:
+            model = build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model, cfg.input_range)
+        self.trainer = DPSGDTrainer(model, x, y, dpsgd_config(cfg),
+                                    device=device, plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg))
+        if self.extractor is not None:
+            # the deployed model reads images: evaluation, attacks and audits see scattering + classifier
+            self.deployed = torch.nn.Sequential(self.extractor, self.trainer.model)
+            self.conventional_accuracy = self._features_accuracy   # runtime.evaluate uses it when present
 
-    class DPSGDMechanism(TrainerMechanism):
-        """Adapter from the trial config to ``dpmech.dpsgd.trainer.DPSGDTrainer``."""
+    def _scatternet(self, cfg: DPSGDTrialConfig, x, device):
+        """(classifier, features of x): the training examples become their cached ScatterNet
+        features (same N, so the same q, sigma and steps: the privacy event is unchanged)."""
+        from dpmech.datasets.splits import num_classes
+        from dpmech.networks.dpsgd_models import build_feature_model
+        from dpmech.networks.scatternet import ScatterNet, scatter_features
 
-        def __init__(self, cfg: DPSGDTrialConfig, x, y, device):
-            self.sigma = float(cfg.noise_augmentation_sigma)
-            self.extractor = self.deployed = None
-            if cfg.features == "scatternet":
-                model, x = self._scatternet(cfg, x, device)
-            else:
-                model = build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model, cfg.input_range)
-            self.trainer = DPSGDTrainer(model, x, y, dpsgd_config(cfg),
-                                        device=device, plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg))
-            if self.extractor is not None:
-                # the deployed model reads images: evaluation, attacks and audits see scattering + classifier
-                self.deployed = torch.nn.Sequential(self.extractor, self.trainer.model)
-                self.conventional_accuracy = self._features_accuracy   # runtime.evaluate uses it when present
+        self.dataset, self.input_range = cfg.dataset, cfg.input_range
+        self.extractor = ScatterNet(tuple(x.shape[1:]), input_range=cfg.input_range).to(device)
+        self._feature_memo = None
+        feats = scatter_features(x, input_range=cfg.input_range, dataset=cfg.dataset, device=device)
+        model = build_feature_model(cfg.model, feats.shape[1:], num_classes(cfg.dataset), cfg.seed,
+                                    groups=cfg.feature_norm_groups)
+        return model, feats
 
-        def _scatternet(self, cfg: DPSGDTrialConfig, x, device):
-            """(classifier, features of x): the training examples become their cached ScatterNet
-            features (same N, so the same q, sigma and steps: the privacy event is unchanged)."""
-            from dpmech.datasets.splits import num_classes
-            from dpmech.networks.dpsgd_models import build_feature_model
-            from dpmech.networks.scatternet import ScatterNet, scatter_features
+    def _features(self, x):
+        """ScatterNet features of evaluation images (disk cache; memo of the last tensor)."""
+        from dpmech.networks.scatternet import scatter_features
 
-            self.dataset, self.input_range = cfg.dataset, cfg.input_range
-            self.extractor = ScatterNet(tuple(x.shape[1:]), input_range=cfg.input_range).to(device)
-            self._feature_memo = None
-            feats = scatter_features(x, input_range=cfg.input_range, dataset=cfg.dataset, device=device)
-            model = build_feature_model(cfg.model, feats.shape[1:], num_classes(cfg.dataset), cfg.seed,
-                                        groups=cfg.feature_norm_groups)
-            return model, feats
+        key = (x.data_ptr(), tuple(x.shape), str(x.device))
+        if self._feature_memo is None or self._feature_memo[0] != key:
+            feats = scatter_features(x, input_range=self.input_range, dataset=self.dataset, device=x.device)
+            self._feature_memo = (key, feats)
+        return self._feature_memo[1]
 
-        def _features(self, x):
-            """ScatterNet features of evaluation images (disk cache; memo of the last tensor)."""
-            from dpmech.networks.scatternet import scatter_features
+    @property
+    def model(self):
+        """The deployed model (images in): ``Sequential(ScatterNet, classifier)`` with features,
+        else the trained network."""
+        return self.deployed if self.deployed is not None else self.trainer.model
 
-            key = (x.data_ptr(), tuple(x.shape), str(x.device))
-            if self._feature_memo is None or self._feature_memo[0] != key:
-                feats = scatter_features(x, input_range=self.input_range, dataset=self.dataset, device=x.device)
-                self._feature_memo = (key, feats)
-            return self._feature_memo[1]
+    def test_accuracy(self, x, y) -> float:
+        if self.deployed is None:
+            return self.trainer.accuracy(x, y)
+        return self.trainer.accuracy(self._features(x), y)   # = the deployed model's accuracy on x
 
-        @property
-        def model(self):
-            """The deployed model (images in): ``Sequential(ScatterNet, classifier)`` with features,
-            else the trained network."""
-            return self.deployed if self.deployed is not None else self.trainer.model
+    def _features_accuracy(self, x, y, cfg) -> dict[str, float]:
+        """The final conventional accuracy with features: with attacks, everything on the deployed
+        model end to end (gradients through the scattering); without, ``acc_clean`` from the
+        cached features of the same images (the same function, computed once)."""
+        if cfg.attacks:
+            from dpmech.robustness.evaluation import conventional_accuracy
 
-        def test_accuracy(self, x, y) -> float:
-            if self.deployed is None:
-                return self.trainer.accuracy(x, y)
-            return self.trainer.accuracy(self._features(x), y)   # = the deployed model's accuracy on x
+            return conventional_accuracy(
+                self.deployed, x, y, attacks=cfg.attacks, norm=cfg.attack_norm, n_predict=cfg.n_predict,
+                eot_samples=cfg.eot_samples, steps=cfg.attack_steps, seed=cfg.seed, attack_labels=cfg.attack_labels)
+        return {"acc_clean": self.test_accuracy(x, y)}
 
-        def _features_accuracy(self, x, y, cfg) -> dict[str, float]:
-            """The final conventional accuracy with features: with attacks, everything on the deployed
-            model end to end (gradients through the scattering); without, ``acc_clean`` from the
-            cached features of the same images (the same function, computed once)."""
-            if cfg.attacks:
-                from dpmech.robustness.evaluation import conventional_accuracy
+    def privacy(self) -> dict[str, float]:
+        """epsilon (RDP) and epsilon_pld of the ledger, delta, noise_multiplier, sampling_rate, steps."""
+        return self.trainer.privacy()
 
-                return conventional_accuracy(
-                    self.deployed, x, y, attacks=cfg.attacks, norm=cfg.attack_norm, n_predict=cfg.n_predict,
-                    eot_samples=cfg.eot_samples, steps=cfg.attack_steps, seed=cfg.seed, attack_labels=cfg.attack_labels)
-            return {"acc_clean": self.test_accuracy(x, y)}
-
-        def privacy(self) -> dict[str, float]:
-            """epsilon (RDP) and epsilon_pld of the ledger, delta, noise_multiplier, sampling_rate, steps."""
-            return self.trainer.privacy()
-
-        def certify(self, x, y, cfg):
-            return None  # no certificate of its own; see smoothing_classifier
-
-        def smoothing_classifier(self):
-            """(base model, sigma) when trained with Gaussian noise augmentation (the model adds no
-            noise itself), else None."""
-            return (self.model, self.sigma) if self.sigma > 0 else None
-
-    DPSGDMechanism.__qualname__ = "DPSGDMechanism"
-    return DPSGDMechanism
-
-
-def __getattr__(name: str):
-    if name == "DPSGDMechanism":
-        return _mechanism_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def smoothing_classifier(self):
+        """(base model, sigma) when trained with Gaussian noise augmentation (the model adds no
+        noise itself), else None."""
+        return (self.model, self.sigma) if self.sigma > 0 else None
 
 
 def dpsgd(config: dict) -> None:
     """Ray Tune function trainable for DP-SGD (flat config; see the module docstring)."""
-    from trainables.runtime import run_trial
+    run_trial(config, DPSGDTrialConfig, DPSGDMechanism, "dpsgd")
 
-    run_trial(config, DPSGDTrialConfig, _mechanism_class(), "dpsgd")
+
+TRAINABLES = (
+    TrainableEntry(
+        "dpsgd", "trainables.dpsgd:dpsgd", DPSGDTrialConfig,
+        "DP-SGD (Abadi et al. 2016): Poisson sampling, per-example clipping (clipping: bk, book-keeping in one "
+        "backward pass, the default; ghost or flat through Opacus), "
+        "Gaussian noise calibrated to (epsilon, delta) over the planned steps; RDP/PLD epsilon from the ledger; "
+        "epsilon null = non-private baseline of the same network (docs/dpsgd.md).",
+        epsilon_protects="training examples (RDP/PLD ledger)",
+        privacy_event="trainables.dpsgd:privacy_event",
+        privacy_keys=PRIVACY_KEYS),
+)

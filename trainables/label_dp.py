@@ -20,6 +20,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from trainables.config import CommonConfig, check_user_model
+from trainables.entry import TrainableEntry
 from trainables.runtime import TrainerMechanism, run_trial
 
 
@@ -117,9 +118,6 @@ class LabelDPMechanism(TrainerMechanism):
 
         self.trainer = LabelDPTrainer(label_dp_config(cfg), x, y, num_classes=num_classes(cfg.dataset), device=device)
 
-    def privacy(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.trainer.privacy().items()}
-
     def conventional_accuracy(self, x, y, cfg: LabelDPTrialConfig) -> dict[str, float]:
         """Classification: the project's default (acc_clean and every configured attack).
         Regression: ``mse`` of the raw output and ``acc_clean`` of the rounded predictions."""
@@ -131,13 +129,19 @@ class LabelDPMechanism(TrainerMechanism):
                                      n_predict=cfg.n_predict, eot_samples=cfg.eot_samples, steps=cfg.attack_steps,
                                      seed=cfg.seed, attack_labels=cfg.attack_labels)
 
-    def certify(self, x, y, cfg):
-        return None  # label DP gives no robustness certificate
-
-    def smoothing_classifier(self):
-        return None
-
 
 def label_dp(config: dict) -> None:
     """Ray Tune function trainable for label DP (flat config; see the module docstring)."""
     run_trial(config, LabelDPTrialConfig, LabelDPMechanism, "label_dp")
+
+
+TRAINABLES = (
+    TrainableEntry(
+        "label_dp", "trainables.label_dp:label_dp", LabelDPTrialConfig,
+        "Label DP (source: Laplace on MNIST labels): training labels released once per trial with the Laplace "
+        "mechanism (one-hot + Lap(2/eps) -> argmax, or the digit + Lap(9/eps)), K-ary randomized response, or "
+        "randomized response with a prior (LP-1ST / LP-2ST, Ghazi et al. 2021), a fresh CNN trained on them "
+        "(the source's Adam recipe or mixup + SGD); classification or regression; epsilon protects labels only "
+        "(docs/label_dp.md).",
+        epsilon_protects="training labels only (label DP, delta 0); the images are not protected"),
+)

@@ -6,17 +6,60 @@ Use it in your own study::
     from trainables.pixeldp import pixeldp
     tune.Tuner(pixeldp, param_space={"epsilon": tune.grid_search([0.5, 1.0]), "epochs": 2}).fit()
 
-Every key and its default: ``trainables.config.PixelDPTrialConfig`` (``dpsweep mechanisms``).
+Every key and its default: ``PixelDPTrialConfig`` below (``dpsweep mechanisms``).
 """
 
 from __future__ import annotations
 
-import torch
+from typing import ClassVar, Literal
 
-from dpmech.robustness.certification import certify
+import torch
+from pydantic import Field, field_validator
+
 from dpmech.pixeldp.trainer import PixelDPConfig, PixelDPTrainer
-from trainables.config import PixelDPTrialConfig
+from dpmech.robustness.certification import certify
+from trainables.config import CommonConfig, own_network_field, refuse_model
+from trainables.entry import TrainableEntry
 from trainables.runtime import TrainerMechanism, run_trial
+
+
+class PixelDPTrialConfig(CommonConfig):
+    """PixelDP (Lecuyer et al. 2018): a noise layer calibrated to (epsilon, delta, L)."""
+
+    accepts_custom_dataset: ClassVar[bool] = True
+    model: None = own_network_field()
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _no_model(cls, value):
+        return refuse_model(value, "pixeldp")
+
+    # epsilon/delta are robustness parameters of the noise layer, not a training-data guarantee:
+    # privacy_delta_key stays None, the delta rules do not apply
+    has_certificate: ClassVar[bool] = True
+    loss_is_cross_entropy: ClassVar[bool] = True
+
+    epsilon: float = Field(1.0, gt=0, allow_inf_nan=False, description="PixelDP epsilon of the noise layer")
+    delta: float = Field(0.05, gt=0, lt=1, description="PixelDP delta (l2 / Gaussian only)")
+    attack_bound: float = Field(0.1, gt=0, allow_inf_nan=False, description="construction attack bound L ([-1, 1] domain)")
+    norm: Literal["l2", "l1"] = Field("l2", description="l2: Gaussian noise; l1: Laplace noise")
+    noise_after: Literal[0, 1] = Field(1, description="0: noise on the input; 1: after the first convolution")
+    epochs: int = Field(5, gt=0, description="training epochs")
+    batch_size: int = Field(128, gt=0, description="minibatch size")
+    lr: float = Field(1e-3, gt=0, allow_inf_nan=False, description="learning rate")
+    optimizer: Literal["adam", "sgd"] = Field("adam", description="optimizer")
+    weight_decay: float = Field(0.0, ge=0, description="L2 weight decay")
+    noise_ramp_epochs: float = Field(0.0, ge=0, description="linear ramp of the noise from 0 to full over this many epochs")
+    certify_calibration: Literal["analytic", "classic"] = Field(
+        "analytic", description="certified-size search: exact Gaussian calibration, or the reference's classic formula with eps' <= 1")
+    certify_exact_sensitivity: bool = Field(
+        True, description="correct the certified size with the measured pre-noise sensitivity (False: the construction bound 1, as the paper)")
+
+    def smoothing_unavailable(self) -> str | None:
+        if self.noise_after != 0 or self.norm != "l2":
+            return "randomized smoothing needs Gaussian noise on the input (set noise_after: 0 and norm: l2)"
+        return None
+
 
 _TRAINER_KEYS = ("dataset", "epsilon", "delta", "attack_bound", "norm", "noise_after", "epochs",
                  "batch_size", "lr", "optimizer", "weight_decay", "noise_ramp_epochs", "seed")
@@ -74,3 +117,15 @@ class PixelDPMechanism(TrainerMechanism):
 def pixeldp(config: dict) -> None:
     """Ray Tune function trainable for PixelDP (flat config; see the module docstring)."""
     run_trial(config, PixelDPTrialConfig, PixelDPMechanism, "pixeldp")
+
+
+TRAINABLES = (
+    TrainableEntry(
+        "pixeldp", "trainables.pixeldp:pixeldp", PixelDPTrialConfig,
+        "PixelDP (Lecuyer et al. 2018): noise layer after a sensitivity-bounded first layer; "
+        "certified with the PixelDP robustness test.",
+        epsilon_protects="nothing: no epsilon metric; the config's epsilon is a robustness parameter of the noise "
+                         "layer, logged as robustness_epsilon_config (configured) and robustness_epsilon "
+                         "(recomputed from the noise)",
+        privacy_epsilon=False),
+)

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from pydantic import ValidationError
 
-from trainables.config import CommonConfig
+from trainables.config import CommonConfig, trial_config
 
 HIDDEN_KEYS = ("_mlflow", "trainable", "repeat")  # repeat: index of a search.num_samples repeat (logged as a param)
 
@@ -74,11 +74,21 @@ class TrainerMechanism:
     def load_state_dict(self, state: dict) -> None:
         self.trainer.load_state_dict(state)
 
+    def privacy(self) -> dict[str, float]:
+        """The trainer's guarantee, recomputed from what it did (names: docs/metrics.md)."""
+        return {k: float(v) for k, v in self.trainer.privacy().items()}
+
+    def certify(self, x: torch.Tensor, y: torch.Tensor, cfg: CommonConfig):
+        """The mechanism's own certificate; None: it has none (``certifier: smoothing`` may still apply)."""
+        return None
+
+    def smoothing_classifier(self) -> tuple[torch.nn.Module, float] | None:
+        """(base classifier, sigma) when the model is a randomized-smoothing classifier; None otherwise."""
+        return None
+
 
 def validate_config(config: dict, schema: type[CommonConfig]) -> CommonConfig:
     """Validate a flat trial config; one-line ValueError naming the key on failure."""
-    from trainables.dispatch import trial_config
-
     config = trial_config(config)
     clean = {k: v for k, v in config.items() if k not in HIDDEN_KEYS}
     try:
@@ -90,8 +100,6 @@ def validate_config(config: dict, schema: type[CommonConfig]) -> CommonConfig:
 
 
 def mlflow_info(config: dict) -> dict | None:
-    from trainables.dispatch import trial_config
-
     return trial_config(config).get("_mlflow")
 
 
@@ -188,7 +196,9 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         tracker = TrialTracker.open(info, trial_id=ctx.get_trial_id(), trial_name=name,
                                     trainable=trainable, run_id=meta.get("mlflow_run_id"))
         meta["mlflow_run_id"] = tracker.run_id
-        from dpmech.datasets.user_code import source_params  # a user's model/dataset: its source's hash (this attempt's: tags)
+        from dpmech.datasets.user_code import (
+            source_params,  # a user's model/dataset: its source's hash (this attempt's: tags)
+        )
 
         digests = source_params(dumped)
         logged = [m for m in ("train_loss", *FINAL_DIAGNOSTICS) if m in diagnostic_names(schema)]
@@ -291,8 +301,12 @@ def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Ten
     randomized smoothing (``final["smoothing"]``, ``smooth_*`` metrics) or both.
     """
     from dpmech.datasets.splits import num_classes
-    from dpmech.robustness.evaluation import (certified_accuracy_curve, conventional_accuracy, did_not_learn,
-                                              loss_near_chance)
+    from dpmech.robustness.evaluation import (
+        certified_accuracy_curve,
+        conventional_accuracy,
+        did_not_learn,
+        loss_near_chance,
+    )
 
     if hasattr(mech, "conventional_accuracy"):
         metrics = mech.conventional_accuracy(xt, yt, cfg)
@@ -330,8 +344,8 @@ def audit_canaries(cfg: CommonConfig, device: torch.device):
     s = audit_settings(cfg)
     if s is None or s.mode != "blackbox":   # white-box canaries live in the engine (trainables.audit_config)
         return None
-    from dpmech.privacy.audit.one_run import make_canaries
     from dpmech.datasets.splits import load_held_out, num_classes
+    from dpmech.privacy.audit.one_run import make_canaries
 
     pool = load_held_out(cfg.dataset, train_size=cfg.train_size, test_size=cfg.test_size, seed=cfg.data_seed)
     x, y = pool.tensors
@@ -353,8 +367,8 @@ def run_audit(mech, canaries, cfg: CommonConfig, delta: float, claim: float | No
     (``mech.trainer.canaries``) scored from every noisy update. Black-box: the mechanism's
     ``membership_scores`` (its own notion of fit, e.g. a GAN critic's score) or the negative loss
     of its classifier; the flat ``audit_canaries`` keys also report ``epsilon_lower_bound``."""
-    from dpmech.privacy.audit.one_run import loss_scores
     from dpmech.privacy.audit.estimators import run_estimators
+    from dpmech.privacy.audit.one_run import loss_scores
 
     s = audit_settings(cfg)
     opts = dict(estimators=s.estimator, beta=s.beta, delta=float(delta), guess_fraction=s.guess_fraction, claim=claim)

@@ -15,14 +15,16 @@ mechanism and its metric names: docs/secure_sgd.md.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from trainables.config import CommonConfig, own_network_field, refuse_model
-
-# Imported by the registry to validate specs: dpmech and the runtime are imported lazily.
+from dpmech.robustness.certification import certify
+from dpmech.secure_sgd.trainer import SecureSGDTrainer
+from trainables.audit_config import whitebox_canaries
+from trainables.config import CommonConfig, own_network_field, planned_train_size, refuse_model
+from trainables.entry import TrainableEntry
+from trainables.runtime import TrainerMechanism, run_trial
 
 
 class SecureSGDTrialConfig(CommonConfig):
@@ -86,12 +88,6 @@ class SecureSGDAGMTrialConfig(SecureSGDTrialConfig):
     mechanism: ClassVar[str] = "agm"
 
 
-def planned_train_size(cfg: SecureSGDTrialConfig) -> int:
-    from dpmech.dpsgd.trainer import FULL_TRAIN_SIZES
-
-    return int(cfg.train_size) if cfg.train_size is not None else FULL_TRAIN_SIZES[cfg.dataset]
-
-
 def secure_sgd_config(cfg: SecureSGDTrialConfig):
     """The dpmech configuration of a trial."""
     from dpmech.secure_sgd.trainer import SecureSGDConfig
@@ -115,63 +111,60 @@ def privacy_event(cfg: SecureSGDTrialConfig):
 PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "dataset", "accountant")
 
 
-@lru_cache(maxsize=None)
-def _mechanism_class():
-    """``SecureSGDMechanism``, built on first use (it subclasses the runtime's ``TrainerMechanism``)."""
-    from dpmech.robustness.certification import certify
-    from dpmech.secure_sgd.trainer import SecureSGDTrainer
-    from trainables.audit_config import whitebox_canaries
-    from trainables.runtime import TrainerMechanism
+class SecureSGDMechanism(TrainerMechanism):
+    """Adapter from the trial config to ``dpmech.secure_sgd.trainer.SecureSGDTrainer``."""
 
-    class SecureSGDMechanism(TrainerMechanism):
-        """Adapter from the trial config to ``dpmech.secure_sgd.trainer.SecureSGDTrainer``."""
+    def __init__(self, cfg: SecureSGDTrialConfig, x, y, device):
+        self.trainer = SecureSGDTrainer(secure_sgd_config(cfg), x, y, device=device,
+                                        plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg))
 
-        def __init__(self, cfg: SecureSGDTrialConfig, x, y, device):
-            self.trainer = SecureSGDTrainer(secure_sgd_config(cfg), x, y, device=device,
-                                            plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg))
+    def certify(self, x, y, cfg):
+        """PixelDP certification of the whitened model (scale = base sigma, whitened sensitivity)."""
+        from dpmech.secure_sgd.trainer import whitened_sensitivity
 
-        def privacy(self) -> dict[str, float]:
-            """epsilon/delta of the training data (ledger, RDP; epsilon_pld), the DP-SGD parameters,
-            and the robustness parameters under their own names (docs/secure_sgd.md)."""
-            return {k: float(v) for k, v in self.trainer.privacy().items()}
+        if cfg.certify_exact_sensitivity:
+            sens = whitened_sensitivity(self.model)
+        else:
+            sens = 1.0 / float(self.model.noise.r.min()) ** 0.5
+        import torch
 
-        def certify(self, x, y, cfg):
-            """PixelDP certification of the whitened model (scale = base sigma, whitened sensitivity)."""
-            from dpmech.secure_sgd.trainer import whitened_sensitivity
+        gen = torch.Generator(device=next(self.model.parameters()).device).manual_seed(cfg.seed)
+        return certify(self.model, x, y, n=cfg.certify_n, alpha=1.0 - cfg.certify_eta, bounds=cfg.certify_bounds,
+                       sensitivity=sens, calibration=cfg.certify_calibration, generator=gen)
 
-            if cfg.certify_exact_sensitivity:
-                sens = whitened_sensitivity(self.model)
-            else:
-                sens = 1.0 / float(self.model.noise.r.min()) ** 0.5
-            import torch
-
-            gen = torch.Generator(device=next(self.model.parameters()).device).manual_seed(cfg.seed)
-            return certify(self.model, x, y, n=cfg.certify_n, alpha=1.0 - cfg.certify_eta, bounds=cfg.certify_bounds,
-                           sensitivity=sens, calibration=cfg.certify_calibration, generator=gen)
-
-        def smoothing_classifier(self):
-            """(model without its noise layer, sigma) when the noise is isotropic on the input."""
-            return self.trainer.smoothing_classifier()
-
-    SecureSGDMechanism.__qualname__ = "SecureSGDMechanism"
-    return SecureSGDMechanism
-
-
-def __getattr__(name: str):
-    if name == "SecureSGDMechanism":
-        return _mechanism_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def smoothing_classifier(self):
+        """(model without its noise layer, sigma) when the noise is isotropic on the input."""
+        return self.trainer.smoothing_classifier()
 
 
 def secure_sgd(config: dict) -> None:
     """Ray Tune function trainable for SecureSGD with the HGM (flat config; see the module docstring)."""
-    from trainables.runtime import run_trial
-
-    run_trial(config, SecureSGDTrialConfig, _mechanism_class(), "secure_sgd")
+    run_trial(config, SecureSGDTrialConfig, SecureSGDMechanism, "secure_sgd")
 
 
 def secure_sgd_agm(config: dict) -> None:
     """Ray Tune function trainable for SecureSGD-AGM (flat config; see the module docstring)."""
-    from trainables.runtime import run_trial
+    run_trial(config, SecureSGDAGMTrialConfig, SecureSGDMechanism, "secure_sgd_agm")
 
-    run_trial(config, SecureSGDAGMTrialConfig, _mechanism_class(), "secure_sgd_agm")
+
+TRAINABLES = (
+    TrainableEntry(
+        "secure_sgd", "trainables.secure_sgd:secure_sgd",
+        SecureSGDTrialConfig,
+        "SecureSGD (Phan et al., IJCAI 2019): DP-SGD (Opacus, RDP/PLD epsilon from the ledger) on a PixelDP net whose "
+        "noise layer is calibrated by the heterogeneous Gaussian mechanism (Theorem 1, any eps_r); certified with "
+        "the PixelDP test (docs/secure_sgd.md).",
+        epsilon_protects="training examples (DP-SGD ledger); the noise layer's robustness parameters are "
+                         "robustness_epsilon/robustness_delta",
+        privacy_event="trainables.secure_sgd:privacy_event",
+        privacy_keys=PRIVACY_KEYS),
+    TrainableEntry(
+        "secure_sgd_agm", "trainables.secure_sgd:secure_sgd_agm",
+        SecureSGDAGMTrialConfig,
+        "SecureSGD-AGM: SecureSGD with the noise layer calibrated by the analytic Gaussian mechanism "
+        "(Balle & Wang 2018) instead of the HGM (docs/secure_sgd.md).",
+        epsilon_protects="training examples (DP-SGD ledger); the noise layer's robustness parameters are "
+                         "robustness_epsilon/robustness_delta",
+        privacy_event="trainables.secure_sgd:privacy_event",
+        privacy_keys=PRIVACY_KEYS),
+)

@@ -90,23 +90,6 @@ OPTIMIZERS = ("sgd", "adam")
 LR_SCHEDULES = ("constant", "cosine", "step")
 ACCOUNTANTS = ("rdp", "pld")
 
-
-
-class _FullTrainSizes(dict):
-    """Training-set sizes of the full splits; a dataset given as a loader's import path is looked
-    up on first use (its loader is called once per process, :mod:`dpmech.datasets.user_code`)."""
-
-    def __missing__(self, dataset):
-        from dpmech.datasets.splits import is_custom, train_split_size
-
-        if not is_custom(dataset):
-            raise KeyError(dataset)
-        return train_split_size(dataset)
-
-
-# Training-set sizes of the full splits (for planning a trial from its config alone).
-FULL_TRAIN_SIZES = _FullTrainSizes({"mnist": 60000, "fashion_mnist": 60000, "cifar10": 50000})
-
 # Independent streams of the trial seed: Poisson sampling, gradient noise, input augmentation.
 _SAMPLING, _NOISE, _AUGMENT = 1, 2, 3
 
