@@ -101,3 +101,13 @@ def labels_array(y, n: int, unknown: int):
     if y.shape != (n,):
         raise ValueError(f"y must have shape [{n}], got {tuple(y.shape)}")
     return y.astype(np.int64)
+
+
+def training_images(x_train, y_train, *, in_range: bool = False) -> None:
+    """A trainer's training set: images [N, C, H, W] with N labels [N]; with ``in_range``, the
+    project's input domain [-1, 1] (to 1e-6)."""
+    if x_train.dim() != 4 or y_train.dim() != 1 or x_train.shape[0] != y_train.shape[0]:
+        raise ValueError(f"x_train must be [N, C, H, W] with N labels, got {tuple(x_train.shape)} "
+                         f"and {tuple(y_train.shape)}")
+    if in_range and (x_train.min().item() < -1 - 1e-6 or x_train.max().item() > 1 + 1e-6):
+        raise ValueError("x_train must lie in [-1, 1]")

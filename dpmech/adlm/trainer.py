@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dpmech import _validate as v
 from dpmech.adlm.budget import (AdLMBudget, feature_copies, feature_scales, feature_sensitivity, features_epsilon,
                                 laplace_epsilon, loss_sensitivity, redistribute, relevance_sensitivity,
                                 split_budget)
@@ -70,11 +71,7 @@ class AdLMTrainer:
         config.validate()
         self.config = config
         self.device = torch.device(device)
-        if x_train.dim() != 4 or y_train.dim() != 1 or x_train.shape[0] != y_train.shape[0]:
-            raise ValueError(f"x_train must be [N, C, H, W] with N labels, got {tuple(x_train.shape)} "
-                             f"and {tuple(y_train.shape)}")
-        if x_train.min().item() < -1 - 1e-6 or x_train.max().item() > 1 + 1e-6:
-            raise ValueError("x_train must lie in [-1, 1]")
+        v.training_images(x_train, y_train, in_range=True)
         arch = ARCHITECTURES["mnist"]
         if tuple(x_train.shape[1:]) != tuple(arch["input"]):
             raise ValueError(f"x_train images must have shape {arch['input']}, got {tuple(x_train.shape[1:])}")

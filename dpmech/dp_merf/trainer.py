@@ -203,9 +203,7 @@ class DPMERFTrainer(JudgedSampler):
                  eval_samples: int = 500):
         self.config = config
         self.device = torch.device(device)
-        if x_train.dim() != 4 or x_train.shape[0] != y_train.shape[0]:
-            raise ValueError(f"x_train must be [N, C, H, W] with N labels, got {tuple(x_train.shape)} "
-                             f"and {tuple(y_train.shape)}")
+        v.training_images(x_train, y_train)
         self.classes = num_classes(config.dataset)
         if x_train.shape[0] and (y_train.min().item() < 0 or y_train.max().item() >= self.classes):
             raise ValueError(f"y_train must hold labels in [0, {self.classes})")

@@ -26,6 +26,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from dpmech import _validate as v
 from dpmech.robustness.attacks import ifgsm, mim, pgd
 from dpmech.dpal.budget import Budget, laplace_epsilon
 from dpmech.dpal.config import DPALConfig
@@ -59,11 +60,7 @@ class DPALTrainer:
         config.validate()
         self.config = config
         self.device = torch.device(device)
-        if x_train.dim() != 4 or y_train.dim() != 1 or x_train.shape[0] != y_train.shape[0]:
-            raise ValueError(f"x_train must be [N, C, H, W] with N labels, got {tuple(x_train.shape)} "
-                             f"and {tuple(y_train.shape)}")
-        if x_train.min().item() < -1 - 1e-6 or x_train.max().item() > 1 + 1e-6:
-            raise ValueError("x_train must lie in [-1, 1]")
+        v.training_images(x_train, y_train, in_range=True)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             self.model = DPALNet(config.dataset, config.theta1_bound).to(self.device)

@@ -50,6 +50,7 @@ import math
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 
+from dpmech import _validate as v
 from dpmech.privacy.accounting import PrivacyLedger
 from dpmech.privacy.clipping import BookKeeper
 from dpmech.datasets.splits import num_classes
@@ -69,9 +70,7 @@ class DPGANTrainer(JudgedSampler):
         config.validate()
         self.config = config
         self.device = torch.device(device)
-        if x_train.dim() != 4 or y_train.dim() != 1 or x_train.shape[0] != y_train.shape[0]:
-            raise ValueError(f"x_train must be [N, C, H, W] with N labels, got {tuple(x_train.shape)} "
-                             f"and {tuple(y_train.shape)}")
+        v.training_images(x_train, y_train)
         self.classes = num_classes(config.dataset)
         if y_train.min().item() < 0 or y_train.max().item() >= self.classes:
             raise ValueError(f"y_train must hold labels in [0, {self.classes})")

@@ -119,9 +119,7 @@ class PixelDPTrainer:
         config.validate()
         self.config = config
         self.device = torch.device(device)
-        if x_train.dim() != 4 or x_train.shape[0] != y_train.shape[0]:
-            raise ValueError(f"x_train must be [N, C, H, W] with N labels, got {tuple(x_train.shape)} "
-                             f"and {tuple(y_train.shape)}")
+        v.training_images(x_train, y_train)
         self.x = x_train.to(self.device)
         self.y = y_train.to(self.device)
         torch.manual_seed(config.seed)  # parameter initialisation
