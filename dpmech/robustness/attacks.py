@@ -274,7 +274,10 @@ def _prepare(model, x, y, eps, norm, domain, eot_samples):
     return eps, norm, domain, eot_samples, y
 
 
-def _run(model, x, y, *, eps, norm, domain, eot_samples, **loop):
+def _run(model, x, y, *, eps, norm, domain, eot_samples, runner=None, **loop):
+    """The frame of every iterative attack: eps 0 returns x; the model's modes are kept; y defaults
+    to the model's predictions; ``start_fn(x)`` gives the first iterate; ``runner`` (default
+    ``_iterate``) runs the steps."""
     x = x.detach()
     if eps == 0:
         return x.clone()
@@ -285,7 +288,7 @@ def _run(model, x, y, *, eps, norm, domain, eot_samples, **loop):
         start = loop.pop("start_fn", None)
         if start is not None:
             loop["start"] = start(x)
-        return _iterate(model, x, y, eps=eps, norm=norm, domain=domain, eot_samples=eot_samples, **loop)
+        return (runner or _iterate)(model, x, y, eps=eps, norm=norm, domain=domain, eot_samples=eot_samples, **loop)
 
 
 # ----------------------------------------------------------------------------- attacks
@@ -515,17 +518,15 @@ def apgd(model, x, y=None, *, eps, steps=100, loss="ce", norm="linf", domain=DEF
     if random_start and not isinstance(generator, torch.Generator):
         raise ValueError("generator must be a torch.Generator when random_start is True "
                          f"(randomized steps take an explicit generator), got {type(generator).__name__}")
-    x = x.detach()
-    if eps == 0:
-        return x.clone()
-    ctx = _modes_preserved(model) if isinstance(model, torch.nn.Module) else nullcontext()
-    with ctx:
-        if y is None:
-            y = _predicted_labels(model, x, eot_samples)
-        start = _random_start(x, eps, norm, domain, generator) if random_start else x.clone()
-        x_best, fooled, x_fooled = _apgd_run(model, x, y, eps=eps, steps=steps, norm=norm, domain=domain,
-                                             eot_samples=eot_samples, loss_name=loss, start=start)
-    return torch.where(fooled.view(_per_example(x)), x_fooled, x_best).detach()
+    start = (lambda x0: _random_start(x0, eps, norm, domain, generator)) if random_start else (lambda x0: x0.clone())
+    return _run(model, x, y, eps=eps, norm=norm, domain=domain, eot_samples=eot_samples, runner=_apgd_result,
+                start_fn=start, steps=steps, loss_name=loss).detach()
+
+
+def _apgd_result(model, x, y, **run) -> torch.Tensor:
+    """Per example, the last misclassified iterate of ``_apgd_run``, else its iterate of highest loss."""
+    x_best, fooled, x_fooled = _apgd_run(model, x, y, **run)
+    return torch.where(fooled.view(_per_example(x)), x_fooled, x_best)
 
 
 def apgd_ce(model, x, y=None, **kwargs) -> torch.Tensor:
