@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from dpmech import _validate as v
 from dpmech.adlm.budget import RELEVANCE_NORMS
+from dpmech.networks.fit import fit_classifier
 
 _PASS_THROUGH = (nn.ReLU, nn.Flatten, nn.Identity, nn.Dropout)
 
@@ -58,18 +58,7 @@ def train_relevance_net(x: torch.Tensor, y: torch.Tensor, *, epochs: int, genera
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         net = RelevanceNet(x.shape[1], classes, x.shape[2]).to(x.device)
-    opt = torch.optim.Adam(net.parameters(), lr=lr)
-    net.train()
-    for _ in range(epochs):
-        perm = torch.randperm(x.shape[0], generator=generator).to(x.device)
-        for s in range(0, x.shape[0], batch_size):
-            idx = perm[s:s + batch_size]
-            loss = F.cross_entropy(net(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-    net.eval()
-    return net
+    return fit_classifier(net, x, y, epochs=epochs, batch_size=batch_size, lr=lr, generator=generator)
 
 
 def lrp_epsilon(layers: nn.Sequential, x: torch.Tensor, eps: float = 1.0) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmech import _validate as v
+from dpmech.networks.fit import fit_classifier
 
 
 class SmallCNN(nn.Module):
@@ -50,20 +51,9 @@ def train_classifier(x: torch.Tensor, y: torch.Tensor, *, classes: int, epochs: 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = SmallCNN(tuple(x.shape[1:]), classes).to(device)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)
     x, y = x.to(device), y.to(device)
-    model.train()
-    for _ in range(epochs):
-        order = torch.randperm(x.shape[0], generator=gen).to(device)
-        for s in range(0, x.shape[0], batch_size):
-            idx = order[s:s + batch_size]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-    model.eval()
-    return model
+    return fit_classifier(model, x, y, epochs=epochs, batch_size=batch_size, lr=lr, generator=gen)
 
 
 @torch.no_grad()
