@@ -153,6 +153,14 @@ def plain_log_axis(axis) -> None:
         axis.set_minor_formatter(FuncFormatter(lambda v, p=None: ""))
 
 
+def _save_accuracy_panels(fig, axes, path) -> bool:
+    """The accuracy-vs-parameter panel grids' common ending: y label, legend, saved."""
+    axes[0][0].set_ylabel("conventional accuracy (mean ± sd)")
+    axes[0][-1].legend(fontsize=6)
+    _save(fig, axes, path)
+    return True
+
+
 def _save(fig, ax_or_axes, path: Path, legend_fontsize=7) -> None:
     """Write ``path`` (PNG) and the same figure as a vector file (PDF) beside it; log axes get
     plain decimal tick labels."""
@@ -369,10 +377,7 @@ def plot_accuracy_vs_epsilon_per_attack(trials, size: float, path: Path, refs=()
         ax.set_xlabel("epsilon (configured)")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("conventional accuracy (mean ± sd)")
-    axes[0][-1].legend(fontsize=6)
-    _save(fig, axes, path)
-    return True
+    return _save_accuracy_panels(fig, axes, path)
 
 
 def _per_point(n) -> str:
@@ -445,10 +450,7 @@ def plot_accuracy_vs_size_per_attack(trials, path: Path, refs=()) -> bool:
         ax.set_xlabel("attack size mu_a")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("conventional accuracy (mean ± sd)")
-    axes[0][-1].legend(fontsize=6)
-    _save(fig, axes, path)
-    return True
+    return _save_accuracy_panels(fig, axes, path)
 
 
 def plot_certified_vs_size_by_mechanism(sweep: Sweep, path: Path, refs=()) -> bool:
