@@ -238,14 +238,10 @@ def _run(args, interrupts, sweep: dict) -> int:
 
     ray_init(spec)
     interrupts.install()  # ray.init replaced the SIGTERM handler with one that exits at once
-    from sweeps.cluster_checks import StorageRefused, artifact_warning, preflight
+    from sweeps.cluster_checks import artifact_warning
 
-    try:  # on a cluster: shared storage, a tracking server (docs/cluster.md); before any MLflow run
-        preflight(storage, tracking_uri)
-    except StorageRefused as exc:
-        _err(str(exc))
-        return EXIT_INVALID
-    gpu = _trial_gpu(spec)
+    # on a cluster: shared storage, a tracking server (docs/cluster.md); before any MLflow run
+    gpu = _checked_cluster(spec, storage, tracking_uri)
     if gpu is None:
         return EXIT_INVALID
     interrupts.begin_graceful()  # from the parent run on, a first signal stops the sweep through Tune
@@ -271,6 +267,18 @@ def _run(args, interrupts, sweep: dict) -> int:
     tuner = build_tuner(spec, storage=storage, run_name=run_name, mlflow_info=info, param_space=param_space,
                         total=total, gpu=gpu)
     return _fit_and_finish(tuner, info, exp_dir, tracking_uri, spec, total, interrupts)
+
+
+def _checked_cluster(spec, storage: str, tracking_uri: str) -> float | None:
+    """The storage and tracking preflight, then ``_trial_gpu``; None: refused (reported)."""
+    from sweeps.cluster_checks import StorageRefused, preflight
+
+    try:
+        preflight(storage, tracking_uri)
+    except StorageRefused as exc:
+        _err(str(exc))
+        return None
+    return _trial_gpu(spec)
 
 
 def _trial_gpu(spec) -> float | None:
@@ -480,17 +488,11 @@ def _resume(args, interrupts, sweep: dict) -> int:
         return EXIT_INVALID
     ray_init(spec)
     interrupts.install()  # ray.init replaced the SIGTERM handler with one that exits at once
-    from sweeps.cluster_checks import StorageRefused, preflight
     from sweeps.runner import build_tuner, trial_resources
     from sweeps.spec import ray_param_space
     from sweeps.tracking import reopen_parent_run
 
-    try:
-        preflight(str(exp_dir.parent), state["mlflow"]["tracking_uri"])
-    except StorageRefused as exc:
-        _err(str(exc))
-        return EXIT_INVALID
-    gpu = _trial_gpu(spec)
+    gpu = _checked_cluster(spec, str(exp_dir.parent), state["mlflow"]["tracking_uri"])
     if gpu is None:
         return EXIT_INVALID
     info = state["mlflow"]
