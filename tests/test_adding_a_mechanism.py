@@ -115,6 +115,10 @@ def apply_steps(root: Path, *, registry_line: bool = True) -> None:
 def copy_env(root: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in FOREIGN_ENV}
     env["PYTHONPATH"] = str(root)   # the copy first: it shadows the editable install of /work/main
+    # a Ray of its own: ray.init() without an address joins a cluster that another process started
+    # with `ray start` on this machine (a cluster test running beside this one), whose workers
+    # import the editable install
+    env["RAY_ADDRESS"] = "local"
     return env
 
 
