@@ -37,23 +37,8 @@ RANGES = ("uniform", "loguniform")
 # A grid/random spec is expanded in full before Ray starts; past this it is almost surely a mistake.
 MAX_TRIALS = 10_000
 
-# Final metrics every trial reports (docs/metrics.md), and those of one mechanism only.
+# Final metrics every trial reports (docs/metrics.md); a trainable's own are in its registry entry.
 GENERIC_METRICS = ("acc_clean", "epsilon", "delta", "compute_seconds", "not_learned")
-_LEDGER = ("epsilon_pld", "noise_multiplier", "sampling_rate", "steps")
-MECHANISM_METRICS = {
-    "pixeldp": ("robustness_epsilon", "robustness_epsilon_config", "robustness_delta", "attack_bound", "noise_scale",
-                "sensitivity"),
-    "dpsgd": _LEDGER,
-    "secure_sgd": (*_LEDGER, "robustness_epsilon", "robustness_delta", "attack_bound", "noise_scale", "sensitivity"),
-    "secure_sgd_agm": (*_LEDGER, "robustness_epsilon", "robustness_delta", "attack_bound", "noise_scale",
-                       "sensitivity"),
-    "adlm": ("adlm_eps_relevance", "adlm_eps_features", "adlm_eps_loss"),
-    "label_dp": ("label_keep_rate", "analytic_keep_prob", "label_epsilon"),
-    "dpgan": ("tstr_acc", "sample_quality", "sample_confidence", "classifier_score", "judge_acc", "epsilon_pld",
-              "epsilon_paper_lemma2", "noise_multiplier", "sampling_rate", "critic_steps", "generator_steps"),
-    "dp_merf": ("tstr_acc", "sample_quality", "sample_confidence", "classifier_score", "judge_acc", "epsilon_pld",
-                "noise_multiplier", "sensitivity", "noisy_count", "generator_steps"),
-}
 # Metrics reported after every epoch (what an early-stopping scheduler can compare), and the
 # direction in which each is better. train_loss is a non-private diagnostic: refused for private
 # trials (check_not_diagnostic).
@@ -544,20 +529,18 @@ def format_size(size: float) -> str:
 
 
 def reported_metrics(name: str, config: dict) -> set[str]:
-    """The final metrics a trial of trainable ``name`` with this full config reports."""
-    if name == "dpal" and config.get("evaluation") == "reference":  # ref_* only (docs/dpal.md)
-        from trainables.dpal import reference_metric_names
-
-        return reference_metric_names(config)
-    out = set(GENERIC_METRICS) | set(MECHANISM_METRICS.get(name, ()))
-    out |= set(getattr(REGISTRY.get(name), "metrics", ()) or ())
-    if not getattr(REGISTRY.get(name), "privacy_epsilon", True):  # a robustness epsilon has its own names
+    """The final metrics a trial of trainable ``name`` with this full config reports: the generic
+    ones, the trainable's own (``TrainableEntry.metrics``), those of its attacks, certificates and
+    audit, and whatever its ``final_metrics`` hook makes of them."""
+    entry = REGISTRY.get(name)
+    out = set(GENERIC_METRICS) | set(getattr(entry, "metrics", ()) or ())
+    if not getattr(entry, "privacy_epsilon", True):  # a robustness epsilon has its own names
         out -= {"epsilon", "delta"}
     for attack, sizes in (config.get("attacks") or {}).items():
         out |= {f"acc_{attack}_{format_size(s)}" for s in sizes}
         out |= {f"acc_worst_{format_size(s)}" for s in sizes}  # worst case over the attacks at that size
     certifier = config.get("certifier") or "default"
-    model = getattr(REGISTRY.get(name), "config_model", None)
+    model = getattr(entry, "config_model", None)
     own_certificate = bool(getattr(model, "has_certificate", False))
     if (config.get("certify_images") or 0) > 0:
         if certifier in ("default", "both") and own_certificate:
@@ -571,9 +554,7 @@ def reported_metrics(name: str, config: dict) -> set[str]:
     from trainables.audit_config import metric_names  # the audit's metrics (flat keys or the audit mapping)
 
     out |= metric_names(config.get("audit"), config.get("audit_canaries") or 0)
-    if name == "label_dp" and config.get("task") == "regression":
-        out.add("mse")
-    return out
+    return entry.reported_metrics(config, out) if entry is not None else out
 
 
 def _size_key(name: str):

@@ -144,5 +144,6 @@ TRAINABLES = (
         "AdLM (Phan et al., ICDM 2017): LRP relevance released with Laplace noise, relevance-adaptive Laplace "
         "noise on the first affine transformation, functional-mechanism loss; epsilon = eps_1 + eps_2 + eps_3 "
         "(the paper's accounting, docs/adlm.md); no certificate.",
-        epsilon_protects="training examples, by the paper's accounting (eps_1 + eps_2 + eps_3; docs/adlm.md)"),
+        epsilon_protects="training examples, by the paper's accounting (eps_1 + eps_2 + eps_3; docs/adlm.md)",
+        metrics=("adlm_eps_relevance", "adlm_eps_features", "adlm_eps_loss")),
 )

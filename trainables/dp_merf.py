@@ -106,5 +106,7 @@ TRAINABLES = (
         "further data access; evaluated by train-on-synthetic accuracy (docs/dp_merf.md).",
         epsilon_protects="training examples (one Gaussian release, RDP/PLD)",
         privacy_event="trainables.dp_merf:privacy_event",
-        privacy_keys=PRIVACY_KEYS),
+        privacy_keys=PRIVACY_KEYS,
+        metrics=("tstr_acc", "sample_quality", "sample_confidence", "classifier_score", "judge_acc", "epsilon_pld",
+                 "noise_multiplier", "sensitivity", "noisy_count", "generator_steps")),
 )

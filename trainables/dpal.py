@@ -245,10 +245,16 @@ def dpal(config: dict) -> None:
     run_trial(config, DPALTrialConfig, _mechanism, "dpal")
 
 
+def final_metrics(config: dict, metrics: set[str]) -> set[str]:
+    """``evaluation: reference`` reports ``ref_*`` metrics only (docs/dpal.md)."""
+    return reference_metric_names(config) if config.get("evaluation") == "reference" else metrics
+
+
 TRAINABLES = (
     TrainableEntry(
         "dpal", "trainables.dpal:dpal", DPALTrialConfig,
         "DPAL (ICLR 2020 submission, StoBatch lineage): DP auto-encoder and DP adversarial objective with "
         "fixed noise and disjoint batches (Theorem 4), verified inference with the (kappa + phi)_max bound.",
-        epsilon_protects="training examples, by the paper's Theorem 4 accounting (eps_t; docs/dpal.md)"),
+        epsilon_protects="training examples, by the paper's Theorem 4 accounting (eps_t; docs/dpal.md)",
+        final_metrics="trainables.dpal:final_metrics"),
 )

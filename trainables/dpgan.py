@@ -145,5 +145,7 @@ TRAINABLES = (
         epsilon_protects="training examples (RDP/PLD ledger of the critic's steps)",
         privacy_event="trainables.dpgan:privacy_event",
         privacy_keys=("epsilon", "delta", "epochs", "batch_size", "train_size", "dataset", "fake_labels",
-                      "histogram_noise")),
+                      "histogram_noise"),
+        metrics=("tstr_acc", "sample_quality", "sample_confidence", "classifier_score", "judge_acc", "epsilon_pld",
+                 "epsilon_paper_lemma2", "noise_multiplier", "sampling_rate", "critic_steps", "generator_steps")),
 )

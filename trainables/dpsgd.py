@@ -275,5 +275,6 @@ TRAINABLES = (
         "epsilon null = non-private baseline of the same network (docs/dpsgd.md).",
         epsilon_protects="training examples (RDP/PLD ledger)",
         privacy_event="trainables.dpsgd:privacy_event",
-        privacy_keys=PRIVACY_KEYS),
+        privacy_keys=PRIVACY_KEYS,
+        metrics=("epsilon_pld", "noise_multiplier", "sampling_rate", "steps")),
 )

@@ -29,6 +29,9 @@ class TrainableEntry:
     privacy_epsilon: bool = True
     # Final metrics of this trainable beyond the generic ones (sweeps.spec_space.reported_metrics reads it)
     metrics: tuple[str, ...] = ()
+    # "module:function" (config, metrics) -> the final metrics of a trial with this config, given the
+    # set computed from the generic rules and ``metrics``; None: that set as it is
+    final_metrics: str | None = None
 
     @property
     def fn(self) -> Callable[[dict], None]:
@@ -39,6 +42,10 @@ class TrainableEntry:
         if self.privacy_event is None:
             raise ValueError(f"trainable {self.name!r} has no per-trial privacy event")
         return resolve(self.privacy_event)
+
+
+    def reported_metrics(self, config: dict, metrics: set[str]) -> set[str]:
+        return metrics if self.final_metrics is None else set(resolve(self.final_metrics)(config, metrics))
 
 
 def resolve(target: str):

@@ -135,6 +135,11 @@ def label_dp(config: dict) -> None:
     run_trial(config, LabelDPTrialConfig, LabelDPMechanism, "label_dp")
 
 
+def final_metrics(config: dict, metrics: set[str]) -> set[str]:
+    """A regression trial also reports ``mse``."""
+    return metrics | {"mse"} if config.get("task") == "regression" else metrics
+
+
 TRAINABLES = (
     TrainableEntry(
         "label_dp", "trainables.label_dp:label_dp", LabelDPTrialConfig,
@@ -143,5 +148,7 @@ TRAINABLES = (
         "randomized response with a prior (LP-1ST / LP-2ST, Ghazi et al. 2021), a fresh CNN trained on them "
         "(the source's Adam recipe or mixup + SGD); classification or regression; epsilon protects labels only "
         "(docs/label_dp.md).",
-        epsilon_protects="training labels only (label DP, delta 0); the images are not protected"),
+        epsilon_protects="training labels only (label DP, delta 0); the images are not protected",
+        metrics=("label_keep_rate", "analytic_keep_prob", "label_epsilon"),
+        final_metrics="trainables.label_dp:final_metrics"),
 )

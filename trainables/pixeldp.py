@@ -127,5 +127,7 @@ TRAINABLES = (
         epsilon_protects="nothing: no epsilon metric; the config's epsilon is a robustness parameter of the noise "
                          "layer, logged as robustness_epsilon_config (configured) and robustness_epsilon "
                          "(recomputed from the noise)",
-        privacy_epsilon=False),
+        privacy_epsilon=False,
+        metrics=("robustness_epsilon", "robustness_epsilon_config", "robustness_delta", "attack_bound", "noise_scale",
+                 "sensitivity")),
 )

@@ -109,6 +109,9 @@ def privacy_event(cfg: SecureSGDTrialConfig):
 
 
 PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "dataset", "accountant")
+# final metrics beyond the generic ones: the DP-SGD ledger's, and the noise layer's robustness parameters
+METRICS = ("epsilon_pld", "noise_multiplier", "sampling_rate", "steps", "robustness_epsilon", "robustness_delta",
+           "attack_bound", "noise_scale", "sensitivity")
 
 
 class SecureSGDMechanism(TrainerMechanism):
@@ -157,7 +160,8 @@ TRAINABLES = (
         epsilon_protects="training examples (DP-SGD ledger); the noise layer's robustness parameters are "
                          "robustness_epsilon/robustness_delta",
         privacy_event="trainables.secure_sgd:privacy_event",
-        privacy_keys=PRIVACY_KEYS),
+        privacy_keys=PRIVACY_KEYS,
+        metrics=METRICS),
     TrainableEntry(
         "secure_sgd_agm", "trainables.secure_sgd:secure_sgd_agm",
         SecureSGDAGMTrialConfig,
@@ -166,5 +170,6 @@ TRAINABLES = (
         epsilon_protects="training examples (DP-SGD ledger); the noise layer's robustness parameters are "
                          "robustness_epsilon/robustness_delta",
         privacy_event="trainables.secure_sgd:privacy_event",
-        privacy_keys=PRIVACY_KEYS),
+        privacy_keys=PRIVACY_KEYS,
+        metrics=METRICS),
 )
