@@ -285,3 +285,19 @@ def test_run_trial_hints_a_trial_whose_last_epoch_loss_sat_at_ln_k(models, monke
         final = reports[-1]
         assert final["evaluated"] == 1.0 and final["acc_clean"] > 0.7
         assert final["loss_near_chance"] == flag and final["not_learned"] == 0.0, (losses, final)
+
+
+def test_a_model_without_parameters_is_evaluated_on_its_buffers_device():
+    """A model whose state is a buffer (or nothing) is evaluated, not refused with StopIteration."""
+    from dpmech.robustness.evaluation import conventional_accuracy
+
+    class Centroids(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("c", torch.eye(4))
+
+        def forward(self, x):
+            return -torch.cdist(x.flatten(1), self.c)
+
+    x, y = torch.eye(4).view(4, 1, 2, 2), torch.arange(4)
+    assert conventional_accuracy(Centroids(), x, y) == {"acc_clean": 1.0}

@@ -589,10 +589,9 @@ def accuracy_under_attack(model, x, y, name: str, eps: float, *, batch_size: int
         shape = tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
         raise ValueError(f"x must be a tensor of shape [N, C, H, W] or [N, D] with N > 0, got {shape}")
     _check_y(y, x)
-    try:
-        device = next(model.parameters()).device
-    except (AttributeError, StopIteration):
-        device = x.device
+    from dpmech.robustness.certification import model_device
+
+    device = model_device(model, x.device)
     correct = 0
     for s in range(0, x.shape[0], batch_size):
         xb = x[s:s + batch_size].to(device)

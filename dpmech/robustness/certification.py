@@ -104,11 +104,15 @@ def has_random_forward(model, x: torch.Tensor) -> bool:
         model.train(was_training)
 
 
-def _device_of(model, fallback: torch.device) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (AttributeError, StopIteration):
-        return fallback
+def model_device(model, fallback: torch.device) -> torch.device:
+    """The device of a model's first parameter, else of its first buffer, else ``fallback`` (a model
+    without parameters or buffers, or a plain callable)."""
+    for tensors in ("parameters", "buffers"):
+        try:
+            return next(getattr(model, tensors)()).device
+        except (AttributeError, StopIteration):
+            continue
+    return fallback
 
 
 @contextmanager
@@ -173,7 +177,7 @@ def _noisy_draws(model, generator: torch.Generator | None):
     if generator is None:
         return (lambda x: x), draw_generic, nullcontext()
     seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
-    return (lambda x: x), draw_generic, _forked_global_rng(_device_of(model, torch.device("cpu")), seed)
+    return (lambda x: x), draw_generic, _forked_global_rng(model_device(model, torch.device("cpu")), seed)
 
 
 def _check_generator(generator) -> None:
@@ -200,7 +204,7 @@ def monte_carlo(model: torch.nn.Module, x: torch.Tensor, n: int, *, generator: t
         raise ValueError(f"x must be a non-empty batch [N, ...], got shape {tuple(x.shape)}")
     was_training = model.training
     model.eval()
-    device = _device_of(model, x.device)
+    device = model_device(model, x.device)
     pre, draw, ctx = _noisy_draws(model, generator)
     counts, means, sq_means = [], [], []
     try:
@@ -603,7 +607,7 @@ def certify(model, x: torch.Tensor, y=None, *, n: int = 1000, alpha: float | Non
     if x.dim() < 2 or x.shape[0] == 0:
         raise ValueError(f"x must be a non-empty batch [N, ...] or one image [C, H, W], got shape {tuple(x.shape)}")
     label = _labels(y, x.shape[0])
-    device = _device_of(model, x.device)
+    device = model_device(model, x.device)
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(0)
     if not is_pixeldp_net(model) and not has_random_forward(model, x.to(device)):

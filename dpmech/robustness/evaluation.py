@@ -20,7 +20,7 @@ import torch
 
 from dpmech import _validate as v
 from dpmech.robustness.attacks import ATTACKS, attack, resolve_eot_samples
-from dpmech.robustness.certification import CertificationResult, certified_accuracy, monte_carlo
+from dpmech.robustness.certification import CertificationResult, certified_accuracy, model_device, monte_carlo
 
 
 def format_size(size: float) -> str:
@@ -39,7 +39,7 @@ def predict(model: torch.nn.Module, x: torch.Tensor, *, n_predict: int = 1, batc
     if n_predict == 1:
         was = model.training
         model.eval()
-        device = next(model.parameters()).device
+        device = model_device(model, x.device)
         out = [model(x[s:s + batch_size].to(device)).argmax(1).cpu() for s in range(0, x.shape[0], batch_size)]
         model.train(was)
         return torch.cat(out).numpy()
@@ -81,7 +81,7 @@ def conventional_accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
     y_np = np.asarray(y.cpu() if torch.is_tensor(y) else y)
     clean_ok = predict(model, x, n_predict=n_predict) == y_np
     out = {"acc_clean": float(clean_ok.mean())}
-    device = next(model.parameters()).device
+    device = model_device(model, x.device)
     if attacks:
         auto = eot_samples == "auto"
         eot_samples = resolve_eot_samples(model, x[:1].to(device), eot_samples)
