@@ -14,8 +14,7 @@ import torch
 from pydantic import Field, model_validator
 
 from dpmech.dp_merf.trainer import PAPER_LENGTHSCALE, DPMERFConfig, DPMERFTrainer, planned_event
-from trainables.config import CommonConfig
-from trainables.dpgan import GenerativeMechanism, judge_data
+from trainables.dpgan import GenerativeMechanism, SampleEvaluationConfig, judge_data
 from trainables.entry import TrainableEntry
 from trainables.runtime import run_trial
 
@@ -24,7 +23,7 @@ _TRAINER_KEYS = ("dataset", "epsilon", "delta", "n_features", "lengthscale", "co
 PRIVACY_KEYS = ("epsilon", "delta", "dataset")
 
 
-class DPMERFTrialConfig(CommonConfig):
+class DPMERFTrialConfig(SampleEvaluationConfig):
     """DP-MERF (docs/dp_merf.md): one noisy mean embedding of random Fourier features, a generator matched to it."""
 
     epsilon: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
@@ -41,24 +40,13 @@ class DPMERFTrialConfig(CommonConfig):
     lr_decay: float = Field(0.9, gt=0, le=1, description="learning-rate factor after every epoch")
     code_dim: int = Field(5, gt=0, description="dimension of the generator's latent z")
     hidden: int = Field(200, gt=0, description="the generator's fully connected width")
-    tstr_samples: int = Field(10000, gt=0, description="synthetic labelled images the tstr_acc classifier is trained on (SoK protocol: 60000)")
-    tstr_epochs: int = Field(3, gt=0, description="epochs of the tstr_acc classifier")
-    judge_size: int = Field(10000, gt=0, description="real non-training images the sample-quality classifier is trained on")
-    judge_epochs: int = Field(3, gt=0, description="epochs of the sample-quality classifier")
-    quality_samples: int = Field(2000, gt=0, description="synthetic images scored by sample_quality")
-    eval_samples: int = Field(500, gt=0, description="synthetic images scored per epoch (test_acc)")
-    certify_images: int = Field(0, ge=0, le=0, description="DP-MERF certifies nothing (must be 0)")
-
-    protects_training_examples: ClassVar[bool] = True
-    privacy_delta_key: ClassVar[str | None] = "delta"
+    mechanism_label: ClassVar[str] = "DP-MERF"
     # train_loss is the generator's matching loss against the released embedding: post-processing of
     # the release, not a non-private diagnostic (trainables.diagnostics)
     private_epoch_metrics: ClassVar[tuple[str, ...]] = ("train_loss",)
 
     @model_validator(mode="after")
     def _dp_merf_rules(self):
-        if self.attacks:
-            raise ValueError("attacks: DP-MERF is evaluated by its samples (tstr_acc), not under attack; leave attacks empty")
         if self.n_features % 2:
             raise ValueError(f"n_features: must be even (cos and sin of each frequency), got {self.n_features}")
         return self

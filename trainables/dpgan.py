@@ -24,7 +24,31 @@ _TRAINER_KEYS = ("dataset", "epsilon", "delta", "epochs", "batch_size", "n_criti
                  "generator", "fake_labels", "histogram_noise", "seed")
 
 
-class DPGANTrialConfig(CommonConfig):
+class SampleEvaluationConfig(CommonConfig):
+    """The keys of the generative mechanisms (dpgan, dp_merf): they are evaluated by their samples
+    (``acc_clean`` = ``tstr_acc``, train on synthetic, test on real), never attacked or certified."""
+
+    tstr_samples: int = Field(10000, gt=0, description="synthetic labelled images the tstr_acc classifier is trained on (SoK protocol: 60000)")
+    tstr_epochs: int = Field(3, gt=0, description="epochs of the tstr_acc classifier")
+    judge_size: int = Field(10000, gt=0, description="real non-training images the sample-quality classifier is trained on")
+    judge_epochs: int = Field(3, gt=0, description="epochs of the sample-quality classifier")
+    quality_samples: int = Field(2000, gt=0, description="synthetic images scored by sample_quality")
+    eval_samples: int = Field(500, gt=0, description="synthetic images scored per epoch (test_acc)")
+    certify_images: int = Field(0, ge=0, le=0, description="a generative mechanism certifies nothing (must be 0)")
+
+    protects_training_examples: ClassVar[bool] = True
+    privacy_delta_key: ClassVar[str | None] = "delta"
+    mechanism_label: ClassVar[str] = "a generative mechanism"
+
+    @model_validator(mode="after")
+    def _evaluated_by_samples(self):
+        if self.attacks:
+            raise ValueError(f"attacks: {self.mechanism_label} is evaluated by its samples (tstr_acc), not under attack; "
+                             f"leave attacks empty")
+        return self
+
+
+class DPGANTrialConfig(SampleEvaluationConfig):
     """DPGAN (docs/dpgan.md): a conditional WGAN whose critic takes clipped, noisy steps on real data."""
 
     epsilon: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
@@ -53,23 +77,8 @@ class DPGANTrialConfig(CommonConfig):
         "the class frequencies released once by the Gaussian mechanism, counted in epsilon (docs/dpgan.md 'Why class 5 fails')")
     histogram_noise: float = Field(100.0, gt=0, allow_inf_nan=False, description="std of the Gaussian noise on each "
                                    "class count (sensitivity 1) of fake_labels: dp_histogram")
-    tstr_samples: int = Field(10000, gt=0, description="synthetic labelled images the tstr_acc classifier is trained on")
-    tstr_epochs: int = Field(3, gt=0, description="epochs of the tstr_acc classifier")
-    judge_size: int = Field(10000, gt=0, description="real non-training images the sample-quality classifier is trained on")
-    judge_epochs: int = Field(3, gt=0, description="epochs of the sample-quality classifier")
-    quality_samples: int = Field(2000, gt=0, description="synthetic images scored by sample_quality")
-    eval_samples: int = Field(500, gt=0, description="synthetic images scored per epoch (test_acc)")
-    certify_images: int = Field(0, ge=0, le=0, description="DPGAN certifies nothing (must be 0)")
-
-    protects_training_examples: ClassVar[bool] = True
-    privacy_delta_key: ClassVar[str | None] = "delta"
+    mechanism_label: ClassVar[str] = "DPGAN"
     supports_whitebox_audit: ClassVar[bool] = True   # the critic's private step (audit: {mode: whitebox}; docs/audit.md)
-
-    @model_validator(mode="after")
-    def _dpgan_rules(self):
-        if self.attacks:
-            raise ValueError("attacks: DPGAN is evaluated by its samples (tstr_acc), not under attack; leave attacks empty")
-        return self
 
 
 def dpgan_config(cfg: DPGANTrialConfig) -> DPGANConfig:
