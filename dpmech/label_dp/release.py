@@ -39,18 +39,15 @@ actually used, and ``log(p (K - 1) / (1 - p))`` for RR's keep probability p actu
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from dpmech import _validate as v
 from dpmech.privacy.mechanisms import laplace_noise, laplace_scale
-from dpmech._validate import matching_checkpoint
 
 TASKS = ("classification", "regression")
 MECHANISMS = ("laplace", "rr", "lp1st", "lp2st", "none")
