@@ -43,8 +43,8 @@ class TrainableEntry:
             raise ValueError(f"trainable {self.name!r} has no per-trial privacy event")
         return resolve(self.privacy_event)
 
-
     def reported_metrics(self, config: dict, metrics: set[str]) -> set[str]:
+        """The final metrics of a trial with ``config``, given the generic ones plus ``metrics``."""
         return metrics if self.final_metrics is None else set(resolve(self.final_metrics)(config, metrics))
 
 
