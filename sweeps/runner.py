@@ -108,7 +108,7 @@ SHOWN_KEYS = ("epsilon", "delta", "attack_bound", "psi", "seed")  # shown for ev
 def _swept_in(config: dict) -> list[str]:
     """The keys the sweep varies for this trial's trainable (``swept_keys``, carried in the
     trial's ``_mlflow`` entry; for Optuna the keys it draws)."""
-    from trainables.dispatch import trial_config
+    from trainables.config import trial_config
 
     cfg = trial_config(config)
     swept = (config.get("_mlflow") or {}).get("swept") or {}
@@ -125,7 +125,7 @@ def _show(value) -> str:
 
 def _describe(config: dict) -> str:
     """``trainable=..., <every swept key>=..., epsilon=..., ...`` of a trial (issue 24, point 6)."""
-    from trainables.dispatch import trial_config
+    from trainables.config import trial_config
 
     cfg = trial_config(config)
     keys = ["trainable", *_swept_in(config), *SHOWN_KEYS]
@@ -304,7 +304,7 @@ def summarize(result_grid, extra_metrics=()) -> tuple[list[dict], dict[str, floa
     """Rows of final metrics per trial (``cfg.<key>`` for every key that varies in the sweep,
     then accuracies, epsilon, delta and ``extra_metrics``), the sweep's privacy summary, and the
     failure count."""
-    from trainables.dispatch import trial_config
+    from trainables.config import trial_config
 
     results = list(result_grid)
     configs = [trial_config(r.config or {}) for r in results]

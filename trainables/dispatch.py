@@ -6,8 +6,6 @@ from __future__ import annotations
 from trainables.config import trial_config
 from trainables.registry import get_trainable
 
-__all__ = ["dispatch", "trial_config"]
-
 
 def dispatch(config: dict) -> None:
     cfg = trial_config(config)
