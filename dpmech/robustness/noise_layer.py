@@ -59,6 +59,14 @@ def pixeldp_noise_scale(epsilon: float, delta: float, attack_bound: float, sensi
     return analytic_gaussian_sigma(epsilon, delta, sensitivity * attack_bound)
 
 
+def _resolved(device: torch.device) -> torch.device:
+    """``device`` with its index: an accelerator named without one ("cuda") is its current device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 STREAMS = 4  # independent generator streams per noise layer (fixed, so draws do not depend on threads)
 _POOL: ThreadPoolExecutor | None = None
 
@@ -107,9 +115,12 @@ class NoiseLayer(nn.Module):
         return f"{kind}, scale={self.scale:.5g}, ramp={self.ramp:.3g}"
 
     def generators(self, device: torch.device) -> list[torch.Generator]:
-        """The layer's generators on ``device`` (re-created, seeded deterministically, on a move)."""
+        """The layer's generators on ``device`` (re-created, seeded deterministically, on a move).
+        ``"cuda"`` and ``"cuda:<current device>"`` are the same device (a trainer given "cuda" asks
+        for its checkpoint's state with the one, the forward pass draws with the other): comparing
+        them as different would re-seed the streams, i.e. restart the noise, at every checkpoint."""
         device = torch.device(device)
-        if not self._gens or self._gens[0].device != device:
+        if not self._gens or _resolved(self._gens[0].device) != _resolved(device):
             n = 1 if device.type != "cpu" else STREAMS
             self._gens = [torch.Generator(device=device).manual_seed(self._seed * 7919 + i) for i in range(n)]
         return self._gens

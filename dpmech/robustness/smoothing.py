@@ -50,7 +50,10 @@ def sample_noise(base: torch.nn.Module, x: torch.Tensor, num: int, sigma: float,
     often each class is the argmax of ``base(x + eps)``. Returns an int64 array [N, K].
 
     At most ``batch_size`` noisy inputs go through ``base`` at once. The draws are a function of
-    (generator state, N, num, batch_size): the same arguments give the same counts.
+    (generator state, N, num, batch_size): the same arguments give the same counts. The noise is
+    drawn on the generator's device and moved to the device of ``base`` (its first parameter's,
+    else its first buffer's, else the input's), where ``base`` runs: a CPU generator gives the
+    same draws, and the same counts, whatever the model's device (a GPU generator is faster).
     """
     num = v.positive_int("num", num)
     sigma = v.positive("sigma", sigma)
@@ -59,7 +62,10 @@ def sample_noise(base: torch.nn.Module, x: torch.Tensor, num: int, sigma: float,
         raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if x.dim() < 2 or x.shape[0] == 0:
         raise ValueError(f"x must be a non-empty batch [N, ...], got shape {tuple(x.shape)}")
-    device = generator.device
+    from dpmech.robustness.certification import model_device
+
+    gdev = generator.device                  # where the noise is drawn
+    device = model_device(base, x.device)    # where the base classifier runs
     was_training = base.training
     base.eval()
     per_chunk = max(1, batch_size // num)   # whole inputs per chunk when num <= batch_size
@@ -73,13 +79,13 @@ def sample_noise(base: torch.nn.Module, x: torch.Tensor, num: int, sigma: float,
             done = 0
             while done < num:
                 k = min(draws_per_pass, num - done)
-                z = torch.randn((b, k, *shape), generator=generator, device=device, dtype=xb.dtype)
+                z = torch.randn((b, k, *shape), generator=generator, device=gdev, dtype=xb.dtype).to(device)
                 z.mul_(sigma).add_(xb.unsqueeze(1))
                 logits = base(z.view(b * k, *shape))
                 top = logits.argmax(dim=1).view(b, k)
                 if counts is None:
                     K = num_classes or int(logits.shape[1])
-                    counts = torch.zeros(b, K, dtype=torch.int64, device=device)
+                    counts = torch.zeros(b, K, dtype=torch.int64, device=top.device)
                 counts.scatter_add_(1, top, torch.ones_like(top))
                 done += k
             out.append(counts.cpu())
