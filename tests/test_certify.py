@@ -46,10 +46,20 @@ def _estimate_from_scores(scores: np.ndarray) -> MonteCarloEstimate:
     return MonteCarloEstimate(counts, scores.mean(axis=1), (scores**2).mean(axis=1), n)
 
 
+def _joint_miss(lo: np.ndarray, hi: np.ndarray, truth: np.ndarray) -> float:
+    """Fraction of trials in which some class's interval misses its true expectation."""
+    return float(np.mean(((truth < lo) | (truth > hi)).any(axis=1)))
+
+
+def _shrunk(lo: np.ndarray, hi: np.ndarray, mean: np.ndarray, factor: float):
+    """The intervals [lo, hi] narrowed ``factor`` times around the sample mean (a wrong bound)."""
+    return mean - (mean - lo) / factor, mean + (hi - mean) / factor
+
+
 @pytest.mark.parametrize("bound_fn", [hoeffding_bounds, bernstein_bounds])
 def test_score_bounds_cover_all_classes_jointly(bound_fn):
     rng = np.random.default_rng(11)
-    eta, K, n = 0.9, 3, 100
+    eta, K, n, trials = 0.9, 3, 100, 2000
     # scores: a random softmax of Gaussian logits with known expectation (by a huge sample)
     logits_mean = np.array([1.0, 0.5, -0.5])
     def draw(size):
@@ -57,12 +67,51 @@ def test_score_bounds_cover_all_classes_jointly(bound_fn):
         e = np.exp(z - z.max(-1, keepdims=True))
         return e / e.sum(-1, keepdims=True)
     truth = draw((400_000,)).mean(axis=0)
-    est = _estimate_from_scores(draw((2000, n)))
+    est = _estimate_from_scores(draw((trials, n)))
     lo, hi = bound_fn(est, alpha=1 - eta)
-    miss = np.mean(((truth < lo) | (truth > hi)).any(axis=1))
-    assert miss <= (1 - eta) + 3 * math.sqrt(0.1 * 0.9 / 2000)
+    allowed = (1 - eta) + 3 * math.sqrt(0.1 * 0.9 / trials)
+    assert _joint_miss(lo, hi, truth) <= allowed
     # the intervals are informative (not the trivial [0, 1])
     assert np.mean(hi - lo) < 0.5
+    # negative control: the same check on a deliberately wrong bound, the Wald interval with z = 1
+    # (mean +- one standard error; no Bonferroni), misses far more often than alpha. (Softmax scores
+    # have far less variance than the [0, 1] range these bounds assume, so a halved Hoeffding width
+    # still covers here: test_hoeffding_covers_bernoulli_half_scores_and_half_the_width_does_not.)
+    se = np.sqrt(est.variance / n)
+    bad = _joint_miss(est.mean - se, est.mean + se, truth)
+    assert bad > 3 * allowed
+
+
+def test_hoeffding_half_width_is_pinned():
+    """mean +- sqrt(ln(2K / alpha) / (2n)) (PixelDP Sec. 3.4, Bonferroni over K classes), checked
+    against numbers worked out by hand."""
+    K, n = 10, 1000
+    mean = np.full((1, K), 0.5)
+    est = MonteCarloEstimate(np.zeros((1, K), dtype=np.int64) + 100, mean, mean**2, n)
+    lo, hi = hoeffding_bounds(est, alpha=0.05)
+    # ln(400) = 5.9914645; / 2000 = 0.0029957; sqrt = 0.0547335
+    np.testing.assert_allclose(hi - 0.5, 0.0547335, rtol=1e-5)
+    np.testing.assert_allclose(0.5 - lo, 0.0547335, rtol=1e-5)
+    lo, hi = hoeffding_bounds(MonteCarloEstimate(est.counts[:, :2] * 5, mean[:, :2], mean[:, :2], n), alpha=0.01)
+    # K = 2: ln(400) again, same width
+    np.testing.assert_allclose(hi - 0.5, 0.0547335, rtol=1e-5)
+
+
+def test_hoeffding_covers_bernoulli_half_scores_and_half_the_width_does_not():
+    """Scores that are Bernoulli(1/2) (all their variance at the edges of [0, 1]) are where
+    Hoeffding is nearly tight: the bounds cover every class jointly with probability >= 1 - alpha,
+    and the same bounds with half their width (the negative control) miss far more than alpha."""
+    rng = np.random.default_rng(12)
+    K, n, alpha, trials = 3, 100, 0.1, 20_000
+    counts = rng.binomial(n, 0.5, size=(trials, K))       # K independent Bernoulli(1/2) score streams
+    mean = counts / n
+    est = MonteCarloEstimate(counts, mean, mean, n)       # scores in {0, 1}: E[s^2] = E[s]
+    lo, hi = hoeffding_bounds(est, alpha=alpha)
+    truth = np.full(K, 0.5)
+    allowed = alpha + 3 * math.sqrt(alpha * (1 - alpha) / trials)
+    assert _joint_miss(lo, hi, truth) <= allowed
+    # normal approximation: per class P(|Z| > 1.43) = 0.15, jointly 1 - 0.85^3 = 0.39
+    assert _joint_miss(*_shrunk(lo, hi, mean, 2.0), truth) > 2.5 * allowed
 
 
 # ----------------------------------------------------------------- the PixelDP test and the size

@@ -91,19 +91,30 @@ def test_certified_radius_never_exceeds_the_true_distance(dist, monkeypatch):
     assert bad_fails > _bound(runs, alpha)
 
 
-def test_certified_radius_approaches_the_distance_as_n_grows():
+def _radius_convergence(model, x, cls, dist) -> tuple[bool, list[float]]:
+    """(every answer right and below the true distance, mean gap to it) at n = 10^3, 10^4, 10^5."""
+    gen = torch.Generator().manual_seed(3)
+    sound, gaps = True, []
+    for n in (1_000, 10_000, 100_000):
+        res = smoothing.certify(model, SIGMA, x, n0=100, n=n, alpha=0.001, generator=gen)
+        sound &= bool(np.all(res.prediction == cls) and np.all(res.radius <= dist))
+        gaps.append(float(np.mean(dist - res.radius)))
+    return sound, gaps
+
+
+def test_certified_radius_approaches_the_distance_as_n_grows(monkeypatch):
     model, w, b = _setup()
     dist, copies = 0.1, 10
     x, cls = _at_distance(w, b, dist, copies)
-    gen = torch.Generator().manual_seed(3)
-    gaps = []
-    for n in (1_000, 10_000, 100_000):
-        res = smoothing.certify(model, SIGMA, x, n0=100, n=n, alpha=0.001, generator=gen)
-        assert np.all(res.prediction == cls)
-        assert np.all(res.radius <= dist)
-        gaps.append(float(np.mean(dist - res.radius)))
+    sound, gaps = _radius_convergence(model, x, cls, dist)
+    assert sound
     assert gaps[0] > gaps[1] > gaps[2]
     assert gaps[2] < 0.05 * dist
+    # negative control: the radius of the point estimate nA / n instead of the lower confidence bound
+    # exceeds the true distance on about half the copies at every n, and the same check sees it
+    monkeypatch.setattr(smoothing, "lower_confidence_bound", lambda count, n, alpha: np.asarray(count) / n)
+    bad_sound, bad_gaps = _radius_convergence(model, x, cls, dist)
+    assert not bad_sound and min(bad_gaps) < 0.01 * dist
 
 
 def test_certify_abstains_at_a_tie():
@@ -129,8 +140,13 @@ def test_lower_confidence_bound_is_one_sided_clopper_pearson():
     # coverage: the true p is below the bound in at most alpha of 10^4 binomials
     rng = np.random.default_rng(5)
     p, trials = 0.7, 10_000
-    miss = (smoothing.lower_confidence_bound(rng.binomial(n, p, trials), n, 0.05) > p).sum()
+    k = rng.binomial(n, p, trials)
+    miss = (smoothing.lower_confidence_bound(k, n, 0.05) > p).sum()
     assert miss <= _bound(trials, 0.05)
+    # negative control: the same coverage check on the bound at 4 alpha (the lower end of the
+    # two-sided interval at 1 - 8 alpha) misses far more often than alpha allows
+    bad = (smoothing.lower_confidence_bound(k, n, 0.2) > p).sum()
+    assert bad > 2 * _bound(trials, 0.05)
 
 
 # ----------------------------------------------------------------------------- PREDICT
@@ -142,6 +158,10 @@ def test_predict_abstains_at_a_tie_and_is_right_far_from_the_boundary():
     x, _ = _at_distance(w, b, 0.0, runs)
     tie = smoothing.predict(model, SIGMA, x, n=1000, alpha=alpha, generator=torch.Generator().manual_seed(6))
     assert (tie != smoothing.ABSTAIN).sum() <= _bound(runs, alpha)
+    # negative control: the same check on PREDICT run at a level 50 times too loose answers at
+    # the tie on about half the runs
+    loose = smoothing.predict(model, SIGMA, x, n=1000, alpha=0.5, generator=torch.Generator().manual_seed(6))
+    assert (loose != smoothing.ABSTAIN).sum() > 10 * _bound(runs, alpha)
     for dist in (0.5, -0.5):
         far, cls = _at_distance(w, b, dist, 50)
         out = smoothing.predict(model, SIGMA, far, n=200, alpha=0.001, generator=torch.Generator().manual_seed(7))
@@ -161,6 +181,78 @@ def test_predict_returns_a_wrong_class_with_probability_at_most_alpha():
     # negative control: a majority vote without the test errs on ~40% of the runs
     counts = smoothing.sample_noise(model, x, n, SIGMA, generator=torch.Generator().manual_seed(8))
     assert (counts.argmax(1) != cls).sum() > _bound(runs, alpha)
+
+
+def _patched_counts(monkeypatch, tables):
+    """Make SAMPLEUNDERNOISE return the given count tables, one per call, in order."""
+    calls = iter(tables)
+    monkeypatch.setattr(smoothing, "sample_noise", lambda *a, **kw: next(calls))
+
+
+def _boundary_counts(n: int, alpha: float) -> np.ndarray:
+    """Rows [nA, nB, nC] (nA >= nB >= nC) around PREDICT's decision boundary: for several nA + nB,
+    every nA whose two-sided binomial p-value lies between alpha / 4 and 4 alpha (so some fall in
+    (alpha, 2 alpha]), plus ties and a unanimous row."""
+    from scipy.stats import binomtest
+
+    rows = []
+    for total in (20, 57, 200, 513, n):
+        for na in range((total + 1) // 2, total + 1):
+            p = binomtest(na, total, 0.5).pvalue
+            if alpha / 4 <= p <= 4 * alpha:
+                rows.append([na, total - na, (total - na) // 2])  # a third class below c_B
+    rows += [[n // 2, n // 2, 0], [300, 300, 100], [n, 0, 0]]
+    return np.array(rows, dtype=np.int64)
+
+
+def test_predict_decision_is_exactly_the_binomial_test_at_alpha(monkeypatch):
+    """PREDICT answers c_A iff BINOMPVALUE(nA, nA + nB, 1/2) <= alpha (Cohen et al. 2019, PREDICT),
+    row by row against scipy's exact two-sided binomtest on the same counts, including counts
+    whose p-value lies in (alpha, 2 alpha], where a frequency test cannot tell the difference."""
+    from scipy.stats import binomtest
+
+    n, alpha = 1000, 0.01
+    rows = _boundary_counts(n, alpha)
+    for order in ([0, 1, 2], [2, 0, 1]):   # c_A anywhere among the classes
+        counts = rows[:, order]
+        c_a = order.index(0)
+        expected = np.array([c_a if binomtest(int(r[0]), int(r[0] + r[1]), 0.5).pvalue <= alpha else smoothing.ABSTAIN
+                             for r in rows])
+        _patched_counts(monkeypatch, [counts])
+        out = smoothing.predict(nn.Identity(), SIGMA, torch.zeros(len(rows), 3), n=n, alpha=alpha,
+                                generator=torch.Generator())
+        np.testing.assert_array_equal(out, expected)
+    pvalues = np.array([binomtest(int(r[0]), int(r[0] + r[1]), 0.5).pvalue for r in rows])
+    between = (pvalues > alpha) & (pvalues <= 2 * alpha)
+    assert between.sum() >= 5 and (pvalues <= alpha).sum() >= 5  # the boundary is exercised
+    # negative control: the rule at 2 alpha answers on those rows, which the exact comparison sees
+    _patched_counts(monkeypatch, [rows])
+    loose = smoothing.predict(nn.Identity(), SIGMA, torch.zeros(len(rows), 3), n=n, alpha=2 * alpha,
+                              generator=torch.Generator())
+    assert np.all(loose[between] == 0)
+
+
+def test_certify_decision_and_radius_are_exactly_the_algorithm_box(monkeypatch):
+    """CERTIFY on given counts: c_A from the selection counts, p_A_lower the one-sided Clopper-Pearson
+    bound beta.ppf(alpha, nA, n - nA + 1) on the estimation counts, abstain iff p_A_lower <= 1/2,
+    radius sigma * Phi^-1(p_A_lower), all checked against scipy directly."""
+    from scipy.stats import beta, norm
+
+    n, n0, alpha = 500, 20, 0.01
+    na = np.array([0, 100, 250, 270, 280, 290, 300, 400, 499, 500])
+    counts = np.stack([n - na, na], axis=1)              # class 1 gets nA of the n draws
+    counts0 = np.tile([[3, 17]], (len(na), 1))          # the selection picks class 1
+    _patched_counts(monkeypatch, [counts0, counts])
+    res = smoothing.certify(nn.Identity(), SIGMA, torch.zeros(len(na), 2), n0=n0, n=n, alpha=alpha,
+                            generator=torch.Generator())
+    lower = np.where(na > 0, beta.ppf(alpha, na, n - na + 1), 0.0)
+    np.testing.assert_allclose(res.p_a_lower, lower, rtol=1e-9, atol=1e-12)
+    certified = lower > 0.5
+    assert 0 < certified.sum() < len(na)
+    np.testing.assert_array_equal(res.prediction, np.where(certified, 1, smoothing.ABSTAIN))
+    np.testing.assert_allclose(res.radius, np.where(certified, SIGMA * norm.ppf(np.clip(lower, 0.5, 1)), 0.0),
+                               rtol=1e-9, atol=0)
+    np.testing.assert_array_equal(res.count_a, na)
 
 
 # ----------------------------------------------------------------------------- vs PixelDP
@@ -204,6 +296,15 @@ def test_smoothing_certifies_at_least_the_pixeldp_bound_for_the_same_budget():
     # and it is still sound: below the true distance wherever the class is right
     ok = sm.correct
     assert np.mean(sm.radius[ok] <= dist[ok]) > 1 - 3 * alpha
+    # negative control: the same soundness check on a certifier that samples sigma / 2 while
+    # claiming sigma (radii about twice the truth) fails by a wide margin
+    real = smoothing.sample_noise
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(smoothing, "sample_noise", lambda base, x, num, sigma, **kw: real(base, x, num, sigma / 2, **kw))
+        bad = smoothing.certify(model, SIGMA, x, y, n0=100, n=budget - 100, alpha=alpha,
+                                generator=torch.Generator().manual_seed(10))
+    bad_ok = bad.correct & (bad.radius > 0)
+    assert np.mean(bad.radius[bad_ok] <= dist[bad_ok]) < 1 - 6 * alpha
 
 
 # ----------------------------------------------------------------------------- the trial wiring
