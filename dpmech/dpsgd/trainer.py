@@ -204,24 +204,57 @@ def calibrated_noise_multiplier(epsilon: float, delta: float, sampling_rate: flo
     return noise_multiplier_for(epsilon, delta, sampling_rate, steps, accountant=accountant)
 
 
-def make_private_compatible(model: nn.Module) -> nn.Module:
-    """The model checked by Opacus's ``ModuleValidator``; incompatible layers (BatchNorm) are
-    replaced by ``ModuleValidator.fix`` (BatchNorm -> GroupNorm), then validated strictly.
+CONVERTED = "_dpsweep_converted"   # attribute of a model: what make_private_compatible replaced in it
+
+
+def make_private_compatible(model: nn.Module, examples: tuple[torch.Tensor, ...] | None = None) -> nn.Module:
+    """The model checked by Opacus's ``ModuleValidator``; incompatible layers (BatchNorm with affine
+    parameters) are replaced by ``ModuleValidator.fix`` (BatchNorm -> GroupNorm), then validated
+    strictly. The model trained is then not the one written: what was replaced is kept on the
+    returned model (:func:`model_conversion`: the trainer's ``model_converted``, a trial's
+    ``model_converted`` param).
+
+    With ``examples`` (one batch-first tensor per input of the model, only their shapes and dtypes
+    used), the training forward pass must treat each example alone and change no buffer
+    (:func:`dpmech.privacy.per_example.check_per_example`): Opacus's validator looks only at modules
+    with trainable parameters, so a parameter-free BatchNorm, an InstanceNorm tracking running
+    statistics or a hand-written ``x - x.mean(0)`` would pass it; a ValueError of one line names
+    the module.
 
     In-place activations are made out-of-place: Opacus's full backward hooks on a layer refuse
     an in-place change of that layer's output (the function computed is the same).
     """
     from opacus.validators import ModuleValidator
 
+    converted = list(getattr(model, CONVERTED, ()))
     if not ModuleValidator.is_valid(model):
+        before = {name: type(m).__name__ for name, m in model.named_modules()}
         model = ModuleValidator.fix(model)
+        converted += [f"{name}: {before[name]} -> {m}" for name, m in model.named_modules()
+                      if name in before and before[name] != type(m).__name__]
     errors = ModuleValidator.validate(model, strict=False)
     if errors:
         raise ValueError(f"model: not trainable with per-example gradients after ModuleValidator.fix: {errors[0]}")
     for m in model.modules():
         if getattr(m, "inplace", False) is True:
             m.inplace = False
+    setattr(model, CONVERTED, tuple(converted))
+    if examples is not None:
+        from dpmech.privacy.per_example import check_per_example
+
+        check_per_example(model, *examples)
     return model
+
+
+def model_conversion(model: nn.Module) -> str:
+    """What :func:`make_private_compatible` replaced in ``model``, in one line ("none": nothing),
+    e.g. "bn: BatchNorm2d -> GroupNorm(16, 16, eps=1e-05, affine=True, bias=True)"; at most 20 layers
+    named."""
+    done = list(getattr(model, CONVERTED, ()))
+    if not done:
+        return "none"
+    shown = "; ".join(done[:20])
+    return shown if len(done) <= 20 else f"{shown}; and {len(done) - 20} more ({len(done)} layers)"
 
 
 def _map_style(source):
@@ -270,7 +303,12 @@ class DPSGDTrainer:
         # given). A trial whose audit adds canaries plans from its configured train_size, so its
         # ledger equals the event planned from the config; the extra examples are sampled at the same q.
         self.plan = plan(config, int(plan_size if plan_size is not None else n))
-        self.model = make_private_compatible(model).to(self.device)
+        # the model trained (BatchNorm with affine parameters replaced: model_converted); a private run's
+        # forward pass must treat each example alone (dpmech.privacy.per_example, checked on random inputs
+        # shaped like one training example)
+        self.model = make_private_compatible(model, (self.x[:1] if self.x is not None else self.collate(
+            [self.dataset[0]])[0],) if config.private else None).to(self.device)
+        self.model_converted = model_conversion(self.model)
         self.ledger = PrivacyLedger()
         self.epoch = 0
         self.steps = 0
