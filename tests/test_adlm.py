@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dpmech.privacy.secret import NoiseKey
 from dpmech.adlm.config import AdLMConfig
 from dpmech.adlm.trainer import AdLMTrainer
 from dpmech.adlm.relevance import average_relevance, lrp_epsilon, normalized_relevance, train_relevance_net
@@ -282,12 +283,12 @@ def test_noise_is_drawn_once_and_a_restore_continues_bit_identically(mnist):
     (x, y), _ = mnist
     cfg = AdLMConfig(epsilon=5.0, batch_size=100, lr=1e-3, epochs=3, relevance_epochs=0, seed=11)
     pub = (x[2000:2200], y[2000:2200])
-    a = AdLMTrainer(cfg, x[:400], y[:400], relevance_data=pub)
+    a = AdLMTrainer(cfg, x[:400], y[:400], relevance_data=pub, noise_key=NoiseKey.reproducible(11))
     offset0, chi30, rel0 = a.model.offset.clone(), a.chi3.clone(), a.relevance.clone()
     a.train_epoch()
     assert torch.equal(a.model.offset, offset0) and torch.equal(a.chi3, chi30) and torch.equal(a.relevance, rel0)
     state = a.state_dict()
-    b = AdLMTrainer(cfg, x[:400], y[:400], relevance_data=pub)
+    b = AdLMTrainer(cfg, x[:400], y[:400], relevance_data=pub, noise_key=NoiseKey.reproducible(11))
     assert torch.equal(b.model.offset, offset0)                  # the same seed draws the same noise
     b.train_epoch()                                                # diverge, then restore
     b.load_state_dict(state)
@@ -298,7 +299,7 @@ def test_noise_is_drawn_once_and_a_restore_continues_bit_identically(mnist):
     assert torch.equal(b.model.offset, offset0) and torch.equal(b.chi3, chi30)
     assert a.privacy() == b.privacy()
     other = AdLMTrainer(AdLMConfig(epsilon=5.0, batch_size=100, relevance_epochs=0, seed=12), x[:400], y[:400],
-                        relevance_data=pub)
+                        relevance_data=pub, noise_key=NoiseKey.reproducible(12))
     assert not torch.equal(other.model.offset, offset0)
     with pytest.raises(ValueError, match="config"):
         other.load_state_dict(state)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from dpmech.privacy.secret import NoiseKey
 from dpmech.label_dp.rr_prior import (matrix_epsilon, rr_prior_choose_k, rr_prior_matrix, rr_top_k, rr_top_k_matrix,
                                       rr_with_prior, uniform_prior)
 
@@ -376,12 +377,12 @@ def test_trainer_stage2_prior_reads_no_part2_label():
     x, y = _data(150, seed=4)
     cfg = LabelDPConfig(mechanism="lp2st", epsilon=1.0, epochs=3, stage1_epochs=2, batch_size=50, lr=0.05,
                         recipe="mixup_sgd", seed=1)
-    a = LabelDPTrainer(cfg, x, y)
+    a = LabelDPTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     mask = torch.ones(150, dtype=torch.bool)
     mask[a.part1] = False
     y_alt = y.clone()
     y_alt[mask] = (y[mask] + 1) % K
-    b = LabelDPTrainer(cfg, x, y_alt)
+    b = LabelDPTrainer(cfg, x, y_alt, noise_key=NoiseKey.reproducible(cfg.seed))
     for t in (a, b):
         t.train_epoch()
         t.train_epoch()

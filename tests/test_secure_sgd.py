@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from dpmech.privacy.secret import NoiseKey
 from dpmech.robustness.certification import certify
 from dpmech.secure_sgd.hgm import agm_sigma, egm_sigma, redistribution_vector
 from dpmech.privacy.mechanisms import gaussian_delta
@@ -92,16 +93,16 @@ def test_per_example_norms_bounded_with_the_noise_layer_on():
 def test_ledger_and_training_survive_checkpoint_and_restore():
     x, y = _data(24)
     cfg = SecureSGDConfig(epsilon=None, noise_multiplier=1.0, batch_size=8, epochs=2, lr=0.1, noise_after=0, seed=1)
-    straight = SecureSGDTrainer(cfg, x, y)
+    straight = SecureSGDTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     for _ in range(4):
         straight.train_step()
-    first = SecureSGDTrainer(cfg, x, y)
+    first = SecureSGDTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     for _ in range(2):
         first.train_step()
     buf = io.BytesIO()
     torch.save(first.state_dict(), buf)
     buf.seek(0)
-    resumed = SecureSGDTrainer(cfg, x, y)
+    resumed = SecureSGDTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     resumed.load_state_dict(torch.load(buf, weights_only=True))
     assert resumed.ledger == first.ledger and resumed.ledger.steps == 2
     for _ in range(2):

@@ -102,11 +102,11 @@ def public_relevance_data(cfg: AdLMTrialConfig, x_train):
 class AdLMMechanism(TrainerMechanism):
     """Adapter from the trial config to ``dpmech.adlm.trainer.AdLMTrainer``."""
 
-    def __init__(self, cfg: AdLMTrialConfig, x, y, device):
+    def __init__(self, cfg: AdLMTrialConfig, x, y, device, noise_key=None):
         rel = public_relevance_data(cfg, x) if cfg.relevance_source == "public" else None
         if rel is not None:
             rel = tuple(t.to(device) for t in rel)
-        self.trainer = AdLMTrainer(adlm_config(cfg), x, y, relevance_data=rel, device=device)
+        self.trainer = AdLMTrainer(adlm_config(cfg), x, y, relevance_data=rel, device=device, noise_key=noise_key)
 
     def extra_artifacts(self, directory):
         """``adlm/relevance.png``: the released (noisy) average relevance R_bar and the per-pixel input noise
@@ -133,9 +133,9 @@ class AdLMMechanism(TrainerMechanism):
         return [(path, "adlm")]
 
 
-def adlm(config: dict) -> None:
+def adlm(config: dict, noise_key=None) -> None:
     """Ray Tune function trainable for AdLM (flat config; see the module docstring)."""
-    run_trial(config, AdLMTrialConfig, AdLMMechanism, "adlm")
+    run_trial(config, AdLMTrialConfig, AdLMMechanism, "adlm", noise_key=noise_key)
 
 
 TRAINABLES = (

@@ -27,7 +27,13 @@ class CommonConfig(BaseModel):
     train_size: int | None = Field(None, gt=0, description="training images (deterministic subset; null = all)")
     test_size: int | None = Field(1000, gt=0, description="test images used for evaluation (null = all)")
     data_seed: int = Field(0, ge=0, description="seed of the data subsets")
-    seed: int = Field(0, ge=0, description="seed of initialisation, shuffling and noise; a trial is reproducible from its config")
+    seed: int = Field(0, ge=0, description="public seed of initialisation, shuffling and augmentation (not of the noise: "
+                      "noise_source)")
+    noise_source: Literal["secret", "seed"] = Field(
+        "secret", description="where the draws a guarantee rests on (sampling, noise, randomized response) come from: "
+        "secret (the sweep's secret key, never published; the owner can reproduce and resume) or seed (research "
+        "mode: derived from the public seed, every epsilon labelled 'reproducible noise: no guarantee against anyone "
+        "who knows the seed'; docs/threat_model.md)")
     attacks: dict[str, list[float]] = Field(
         default_factory=dict, description="attack name -> sizes in the [-1, 1] domain, e.g. {pgd: [0.1, 0.2]}")
     attack_norm: Literal["linf", "l2"] = Field("l2", description="norm of the attack ball")
@@ -76,6 +82,9 @@ class CommonConfig(BaseModel):
     MAX_PRIVACY_DELTA: ClassVar[float] = 0.1
     # True for mechanisms that take a user's dataset loader ('package.module:loader') as dataset
     accepts_custom_dataset: ClassVar[bool] = False
+    # True for mechanisms that train their model with the DP-SGD engine (dpmech.dpsgd.trainer): a user's model is
+    # trained as make_private_compatible returns it (BatchNorm -> GroupNorm) and checked per example
+    dpsgd_engine: ClassVar[bool] = False
 
     @field_validator("dataset")
     @classmethod
@@ -198,27 +207,39 @@ class CommonConfig(BaseModel):
         return value
 
 
-def check_user_model(path: str, info, *, bk: bool = False, trainable: str = "", outputs: int | None = None) -> None:
+def check_user_model(path: str, info, *, bk: bool = False, trainable: str = "", outputs: int | None = None,
+                     per_example: bool = False) -> None:
     """Validation of a ``model`` import path against the trial's dataset (``info.data``): importable,
-    builds an ``nn.Module`` for the dataset's shape and classes, one forward pass; with ``bk``,
-    every parameterised layer is one book-keeping clipping handles (dpmech.privacy.clipping). ``outputs``
-    overrides the number of classes (1 for a regression head). Cached per (path, dataset, bk,
-    outputs) so validating many trials builds the model once."""
+    builds an ``nn.Module`` for the dataset's shape and classes, one forward pass; with
+    ``per_example`` (a private run of the DP-SGD engine) the model as the engine trains it
+    (``make_private_compatible``: BatchNorm with affine parameters replaced by GroupNorm) must treat
+    each example alone in its training forward pass and change no buffer
+    (dpmech.privacy.per_example); with ``bk``, every parameterised layer of that model is one
+    book-keeping clipping handles (dpmech.privacy.clipping). ``outputs`` overrides the number of
+    classes (1 for a regression head). Cached per (path, dataset, bk, outputs, per_example) so
+    validating many trials builds the model once."""
     dataset = info.data.get("dataset")
     if dataset is None:        # the dataset itself failed validation: that error is reported
         return
-    problem = _user_model_problem(path, dataset, bk, trainable, outputs)
+    problem = _user_model_problem(path, dataset, bk, trainable, outputs, per_example)
     if problem:
         raise ValueError(problem)
 
 
 @functools.lru_cache(maxsize=64)
-def _user_model_problem(path: str, dataset: str, bk: bool, trainable: str, outputs: int | None) -> str | None:
+def _user_model_problem(path: str, dataset: str, bk: bool, trainable: str, outputs: int | None,
+                        per_example: bool = False) -> str | None:
+    import torch
+
     from dpmech.datasets.splits import input_shape, num_classes
     from dpmech.datasets.user_code import build_model
 
     try:
         model = build_model(path, input_shape(dataset), outputs or num_classes(dataset), 0)
+        if bk or per_example:     # the DP-SGD engine trains the model make_private_compatible returns
+            from dpmech.dpsgd.trainer import make_private_compatible
+
+            model = make_private_compatible(model, (torch.zeros(1, *input_shape(dataset)),) if per_example else None)
         if bk:
             from dpmech.privacy.clipping import check_model
 
@@ -231,8 +252,41 @@ def _user_model_problem(path: str, dataset: str, bk: bool, trainable: str, outpu
             if trainable:
                 msg = f"{trainable} clips with 'bk' only, {msg}".replace("; use clipping 'ghost' or 'flat'",
                                                                             "; train it with dpsgd and clipping 'ghost' or 'flat'")
+        elif per_example and msg.startswith(("module ", "the model itself", "its training forward pass")):
+            msg = f"{path!r}: {msg}"
         return msg
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def user_model_conversion(path: str, dataset: str) -> str:
+    """What the DP-SGD engine replaces in the user's model ``path`` built for ``dataset`` before
+    training it (``make_private_compatible``: BatchNorm with affine parameters -> GroupNorm), in one
+    line, "none" for nothing (dpmech.dpsgd.trainer.model_conversion)."""
+    from dpmech.datasets.splits import input_shape, num_classes
+    from dpmech.datasets.user_code import build_model
+    from dpmech.dpsgd.trainer import make_private_compatible, model_conversion
+
+    try:
+        model = build_model(path, input_shape(dataset), num_classes(dataset), 0)
+        return model_conversion(make_private_compatible(model))
+    except ValueError:     # reported by the model's validation
+        return "none"
+
+
+def user_model_warnings(schema: type[CommonConfig], config: dict) -> list[str]:
+    """One-line warnings for a trial's config: a user's model that the DP-SGD engine trains with
+    some layers replaced (``dpsgd_engine`` schemas; the model trained is not the one written)."""
+    from dpmech.datasets.user_code import is_import_path
+
+    path, dataset = config.get("model"), config.get("dataset", "mnist")
+    if not schema.dpsgd_engine or not is_import_path(path):
+        return []
+    done = user_model_conversion(path, dataset)
+    if done == "none":
+        return []
+    return [f"model {path!r} is trained with layers replaced by Opacus's ModuleValidator.fix ({done}): the model "
+            f"trained is not the one written (logged as the param model_converted; docs/own_model.md)"]
 
 
 def own_network_field():

@@ -64,10 +64,11 @@ def privacy_event(cfg: DPMERFTrialConfig):
 class DPMERFMechanism(GenerativeMechanism):
     """Adapter from the trial config to ``dpmech.dp_merf.trainer.DPMERFTrainer``."""
 
-    def __init__(self, cfg: DPMERFTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
+    def __init__(self, cfg: DPMERFTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device, noise_key=None):
         self.cfg = cfg
         self.trainer = DPMERFTrainer(dp_merf_config(cfg), x, y, device=device, judge_data=judge_data(cfg),
-                                     judge_epochs=cfg.judge_epochs, eval_samples=cfg.eval_samples)
+                                     judge_epochs=cfg.judge_epochs, eval_samples=cfg.eval_samples,
+                                     noise_key=noise_key)
 
     def membership_scores(self, x: torch.Tensor, y: torch.Tensor):
         """Similarity of each (x, y) to the released mean embedding (<phi(x) e_y^T, mu~>): the
@@ -81,9 +82,9 @@ class DPMERFMechanism(GenerativeMechanism):
         return torch.tensor(out).numpy()
 
 
-def dp_merf(config: dict) -> None:
+def dp_merf(config: dict, noise_key=None) -> None:
     """Ray Tune function trainable for DP-MERF (flat config; see the module docstring)."""
-    run_trial(config, DPMERFTrialConfig, DPMERFMechanism, "dp_merf")
+    run_trial(config, DPMERFTrialConfig, DPMERFMechanism, "dp_merf", noise_key=noise_key)
 
 
 TRAINABLES = (

@@ -76,8 +76,8 @@ def dpal_config(cfg: DPALTrialConfig) -> DPALConfig:
 class DPALMechanism(TrainerMechanism):
     """Adapter from the trial config to ``dpmech.dpal.trainer.DPALTrainer``."""
 
-    def __init__(self, cfg: DPALTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
-        self.trainer = DPALTrainer(dpal_config(cfg), x, y, device=device)
+    def __init__(self, cfg: DPALTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device, noise_key=None):
+        self.trainer = DPALTrainer(dpal_config(cfg), x, y, device=device, noise_key=noise_key)
 
     def conventional_accuracy(self, x, y, cfg: DPALTrialConfig) -> dict[str, float]:
         """Section 4's conventional accuracy, clean and under each configured l-inf attack (labels of
@@ -234,15 +234,15 @@ class ReferenceMechanism:
         self.evaluations = list(state["evaluations"])
 
 
-def _mechanism(cfg: DPALTrialConfig, x, y, device):
-    if cfg.evaluation == "reference":
+def _mechanism(cfg: DPALTrialConfig, x, y, device, noise_key=None):
+    if cfg.evaluation == "reference":  # the reference protocol draws from its public seed (docs/threat_model.md)
         return ReferenceMechanism(cfg, x, y, device)
-    return DPALMechanism(cfg, x, y, device)
+    return DPALMechanism(cfg, x, y, device, noise_key=noise_key)
 
 
-def dpal(config: dict) -> None:
+def dpal(config: dict, noise_key=None) -> None:
     """Ray Tune function trainable for DPAL (flat config; see the module docstring)."""
-    run_trial(config, DPALTrialConfig, _mechanism, "dpal")
+    run_trial(config, DPALTrialConfig, _mechanism, "dpal", noise_key=noise_key)
 
 
 def final_metrics(config: dict, metrics: set[str]) -> set[str]:

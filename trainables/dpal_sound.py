@@ -84,6 +84,7 @@ class DPALSoundTrialConfig(CommonConfig):
     loss_is_cross_entropy: ClassVar[bool] = False   # train_loss is the mean of (CE + xi CE_adv) / (1 + xi) under noise
     privacy_delta_key: ClassVar[str | None] = "delta"
     accepts_custom_dataset: ClassVar[bool] = True
+    dpsgd_engine: ClassVar[bool] = True      # trains with dpmech.dpsgd's engine
 
     @field_validator("model")
     @classmethod
@@ -128,12 +129,12 @@ PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "datas
 class DPALSoundMechanism(TrainerMechanism):
     """Adapter from the trial config to ``dpmech.dpal_sound.trainer.DPALSoundTrainer``."""
 
-    def __init__(self, cfg: DPALSoundTrialConfig, x, y, device):
+    def __init__(self, cfg: DPALSoundTrialConfig, x, y, device, noise_key=None):
         self.sigma = float(cfg.smoothing_sigma)
         self.seed = int(cfg.seed)
         self.trainer = DPALSoundTrainer(build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model), x, y, sound_config(cfg),
                                         device=device, plan_size=planned_train_size(cfg),
-                                        canaries=whitebox_canaries(cfg))
+                                        canaries=whitebox_canaries(cfg), noise_key=noise_key)
 
     def test_accuracy(self, x, y) -> float:
         """Per-epoch ``test_acc``: f(x + z) with one noise draw per image (the classifier under its noise)."""
@@ -162,9 +163,9 @@ class DPALSoundMechanism(TrainerMechanism):
         return (self.model, self.sigma)
 
 
-def dpal_sound(config: dict) -> None:
+def dpal_sound(config: dict, noise_key=None) -> None:
     """Ray Tune function trainable for dpal_sound (flat config; see the module docstring)."""
-    run_trial(config, DPALSoundTrialConfig, DPALSoundMechanism, "dpal_sound")
+    run_trial(config, DPALSoundTrialConfig, DPALSoundMechanism, "dpal_sound", noise_key=noise_key)
 
 
 TRAINABLES = (

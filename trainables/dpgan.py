@@ -127,22 +127,23 @@ class GenerativeMechanism(TrainerMechanism):
 class DPGANMechanism(GenerativeMechanism):
     """Adapter from the trial config to ``dpmech.dpgan.trainer.DPGANTrainer``."""
 
-    def __init__(self, cfg: DPGANTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
+    def __init__(self, cfg: DPGANTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device, noise_key=None):
         from trainables.audit_config import whitebox_canaries
 
         self.cfg = cfg
         self.trainer = DPGANTrainer(dpgan_config(cfg), x, y, device=device, judge_data=judge_data(cfg),
                                     judge_epochs=cfg.judge_epochs, eval_samples=cfg.eval_samples,
-                                    plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg))
+                                    plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg),
+                                    noise_key=noise_key)
 
     def membership_scores(self, x: torch.Tensor, y: torch.Tensor):
         """The critic's score f_w(x, y): high where the critic takes (x, y) for real data."""
         return self.trainer.critic_scores(x, y).numpy()
 
 
-def dpgan(config: dict) -> None:
+def dpgan(config: dict, noise_key=None) -> None:
     """Ray Tune function trainable for DPGAN (flat config; see the module docstring)."""
-    run_trial(config, DPGANTrialConfig, DPGANMechanism, "dpgan")
+    run_trial(config, DPGANTrialConfig, DPGANMechanism, "dpgan", noise_key=noise_key)
 
 
 TRAINABLES = (

@@ -45,7 +45,9 @@ def model_field(value: str, info, *, bk: bool = False, trainable: str = "") -> s
     if not is_import_path(value):
         raise ValueError(f"must be one of {', '.join(map(repr, BUILTIN_MODELS))} or an import path "
                          f"'package.module:factory', got {value!r}")
-    check_user_model(value, info, bk=bk, trainable=trainable)
+    # a private run: the model (as the engine converts it) must treat each example alone
+    check_user_model(value, info, bk=bk, trainable=trainable,
+                     per_example=info.data.get("epsilon", 1.0) is not None)
     return value
 
 
@@ -102,6 +104,7 @@ class DPSGDTrialConfig(CommonConfig):
     loss_is_cross_entropy: ClassVar[bool] = True
     privacy_delta_key: ClassVar[str | None] = "delta"
     accepts_custom_dataset: ClassVar[bool] = True
+    dpsgd_engine: ClassVar[bool] = True      # trains with dpmech.dpsgd's engine
 
     @field_validator("model")
     @classmethod
@@ -189,7 +192,7 @@ PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "datas
 class DPSGDMechanism(TrainerMechanism):
     """Adapter from the trial config to ``dpmech.dpsgd.trainer.DPSGDTrainer``."""
 
-    def __init__(self, cfg: DPSGDTrialConfig, x, y, device):
+    def __init__(self, cfg: DPSGDTrialConfig, x, y, device, noise_key=None):
         self.sigma = float(cfg.noise_augmentation_sigma)
         self.extractor = self.deployed = None
         if cfg.features == "scatternet":
@@ -197,7 +200,8 @@ class DPSGDMechanism(TrainerMechanism):
         else:
             model = build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model, cfg.input_range)
         self.trainer = DPSGDTrainer(model, x, y, dpsgd_config(cfg),
-                                    device=device, plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg))
+                                    device=device, plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg),
+                                    noise_key=noise_key)
         if self.extractor is not None:
             # the deployed model reads images: evaluation, attacks and audits see scattering + classifier
             self.deployed = torch.nn.Sequential(self.extractor, self.trainer.model)
@@ -261,9 +265,9 @@ class DPSGDMechanism(TrainerMechanism):
         return (self.model, self.sigma) if self.sigma > 0 else None
 
 
-def dpsgd(config: dict) -> None:
+def dpsgd(config: dict, noise_key=None) -> None:
     """Ray Tune function trainable for DP-SGD (flat config; see the module docstring)."""
-    run_trial(config, DPSGDTrialConfig, DPSGDMechanism, "dpsgd")
+    run_trial(config, DPSGDTrialConfig, DPSGDMechanism, "dpsgd", noise_key=noise_key)
 
 
 TRAINABLES = (

@@ -112,11 +112,12 @@ def label_dp_config(cfg: LabelDPTrialConfig):
 class LabelDPMechanism(TrainerMechanism):
     """Adapter from the trial config to ``dpmech.label_dp.trainer.LabelDPTrainer``."""
 
-    def __init__(self, cfg: LabelDPTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device):
+    def __init__(self, cfg: LabelDPTrialConfig, x: torch.Tensor, y: torch.Tensor, device: torch.device, noise_key=None):
         from dpmech.datasets.splits import num_classes
         from dpmech.label_dp.trainer import LabelDPTrainer
 
-        self.trainer = LabelDPTrainer(label_dp_config(cfg), x, y, num_classes=num_classes(cfg.dataset), device=device)
+        self.trainer = LabelDPTrainer(label_dp_config(cfg), x, y, num_classes=num_classes(cfg.dataset), device=device,
+                                      noise_key=noise_key)
 
     def conventional_accuracy(self, x, y, cfg: LabelDPTrialConfig) -> dict[str, float]:
         """Classification: the project's default (acc_clean and every configured attack).
@@ -130,9 +131,9 @@ class LabelDPMechanism(TrainerMechanism):
                                      seed=cfg.seed, attack_labels=cfg.attack_labels)
 
 
-def label_dp(config: dict) -> None:
+def label_dp(config: dict, noise_key=None) -> None:
     """Ray Tune function trainable for label DP (flat config; see the module docstring)."""
-    run_trial(config, LabelDPTrialConfig, LabelDPMechanism, "label_dp")
+    run_trial(config, LabelDPTrialConfig, LabelDPMechanism, "label_dp", noise_key=noise_key)
 
 
 def final_metrics(config: dict, metrics: set[str]) -> set[str]:

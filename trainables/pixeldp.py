@@ -114,9 +114,9 @@ class PixelDPMechanism(TrainerMechanism):
         return _WithoutNoise(m), float(m.noise.scale)
 
 
-def pixeldp(config: dict) -> None:
+def pixeldp(config: dict, noise_key=None) -> None:
     """Ray Tune function trainable for PixelDP (flat config; see the module docstring)."""
-    run_trial(config, PixelDPTrialConfig, PixelDPMechanism, "pixeldp")
+    run_trial(config, PixelDPTrialConfig, PixelDPMechanism, "pixeldp", noise_key=noise_key)
 
 
 TRAINABLES = (

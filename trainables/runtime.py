@@ -151,8 +151,11 @@ def finished_run_metrics(info: dict, trial_id: str) -> dict[str, float] | None:
     return dict(runs[0].data.metrics)
 
 
-def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable: str) -> None:
+def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable: str, *, noise_key=None) -> None:
     """Run one trial under Ray Tune (see the module docstring); results go to ``tune.report``.
+
+    ``noise_key``: the sweep's secret (``dpmech.privacy.secret.NoiseKey``, handed over by
+    ``tune.with_parameters``); the trial draws from its own key derived from it (``trial_noise_key``).
 
     Returns nothing: Ray would report a returned dict as one more result, after the final one.
     """
@@ -161,7 +164,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
     from dpmech.datasets.splits import load_splits
     from trainables.artifacts import log_final_artifacts
     from trainables.diagnostics import FINAL_DIAGNOSTICS, TAG_DIAGNOSTICS, diagnostic_names, drop, epoch_diagnostics
-    from trainables.tracking import TAG_DEVICE, TrialTracker, run_name
+    from trainables.tracking import TAG_DEVICE, TAG_NOISE, TrialTracker, run_name
 
     cfg = validate_config(config, schema)
     info = mlflow_info(config)
@@ -177,7 +180,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
     if canaries is not None:  # the included canaries join the training set (docs/audit.md)
         cx, cy = canaries.members()
         x, y = torch.cat([x, cx]), torch.cat([y, cy])
-    mech = mechanism_cls(cfg, x, y, device)
+    mech = build_mechanism(mechanism_cls, cfg, x, y, device, trial_noise_key(cfg, trainable, config, noise_key))
     if cfg.certifier != "default":  # refuse before any training or MLflow run
         smoothing_classifier(mech, cfg, trainable)
 
@@ -204,10 +207,13 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         logged = [m for m in ("train_loss", *FINAL_DIAGNOSTICS) if m in diagnostic_names(schema)]
         # params once per run (a retry keeps the first attempt's); tags per attempt: a retry may run
         # on another node, with another copy of the user's code
+        # model_converted: what the DP-SGD engine replaced in the model (BatchNorm -> GroupNorm), "none"
+        converted = getattr(getattr(mech, "trainer", None), "model_converted", None)
         tracker.log_params({"trainable": trainable, **dumped, **digests,
-                            **({"repeat": config["repeat"]} if "repeat" in config else {})},
+                            **({"repeat": config["repeat"]} if "repeat" in config else {}),
+                            **({"model_converted": converted} if isinstance(converted, str) else {})},
                            tags={**{f"dpsweep.{k}": d for k, d in digests.items()},
-                                 TAG_DEVICE: device_name(device),
+                                 TAG_DEVICE: device_name(device), TAG_NOISE: noise_tag(cfg),
                                  TAG_DIAGNOSTICS: ", ".join(logged) if cfg.diagnostics else "none"})
     finished = False
     try:
@@ -254,6 +260,42 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
             except Exception:  # noqa: BLE001 - keep the original error
                 pass
         raise
+
+
+def trial_noise_key(cfg: CommonConfig, trainable: str, config: dict, sweep_key=None):
+    """The key the trial's privacy-critical draws come from (docs/threat_model.md).
+
+    ``noise_source: seed`` (research mode): the public seed's streams. Otherwise the sweep's secret
+    ``sweep_key`` derived for this trial's identity (its trainable, its validated config and its
+    repeat: what survives a restart), so the trials' noises are independent and an owner's resume
+    draws the same; without a sweep key (a trial run outside ``dpsweep run``) a fresh secret."""
+    from dpmech.privacy.secret import NoiseKey
+
+    if cfg.noise_source == "seed":
+        return NoiseKey.reproducible(cfg.seed)
+    base = NoiseKey.resolve(sweep_key)
+    identity = json.dumps({"trainable": trainable, "config": cfg.model_dump(mode="json"),
+                           "repeat": trial_config(config).get("repeat")}, sort_keys=True, default=str)
+    return base.derive(identity)
+
+
+def build_mechanism(mechanism_cls, cfg: CommonConfig, x, y, device, noise_key):
+    """``mechanism_cls(cfg, x, y, device, noise_key=...)``; a mechanism whose constructor takes no
+    ``noise_key`` (one written before it existed) is built without it and draws its own."""
+    import inspect
+
+    try:
+        takes_key = "noise_key" in inspect.signature(mechanism_cls).parameters
+    except (TypeError, ValueError):
+        takes_key = False
+    return mechanism_cls(cfg, x, y, device, noise_key=noise_key) if takes_key else mechanism_cls(cfg, x, y, device)
+
+
+def noise_tag(cfg: CommonConfig) -> str:
+    """The ``dpsweep.noise`` tag of a trial: what its epsilon means given where its noise came from."""
+    from dpmech.privacy.secret import REPRODUCIBLE_LABEL
+
+    return REPRODUCIBLE_LABEL if cfg.noise_source == "seed" else "secret"
 
 
 def smoothing_classifier(mech: Mechanism, cfg: CommonConfig, trainable: str = "") -> tuple[torch.nn.Module, float]:

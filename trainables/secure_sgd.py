@@ -117,9 +117,10 @@ METRICS = ("epsilon_pld", "noise_multiplier", "sampling_rate", "steps", "robustn
 class SecureSGDMechanism(TrainerMechanism):
     """Adapter from the trial config to ``dpmech.secure_sgd.trainer.SecureSGDTrainer``."""
 
-    def __init__(self, cfg: SecureSGDTrialConfig, x, y, device):
+    def __init__(self, cfg: SecureSGDTrialConfig, x, y, device, noise_key=None):
         self.trainer = SecureSGDTrainer(secure_sgd_config(cfg), x, y, device=device,
-                                        plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg))
+                                        plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg),
+                                        noise_key=noise_key)
 
     def certify(self, x, y, cfg):
         """PixelDP certification of the whitened model (scale = base sigma, whitened sensitivity)."""
@@ -140,14 +141,14 @@ class SecureSGDMechanism(TrainerMechanism):
         return self.trainer.smoothing_classifier()
 
 
-def secure_sgd(config: dict) -> None:
+def secure_sgd(config: dict, noise_key=None) -> None:
     """Ray Tune function trainable for SecureSGD with the HGM (flat config; see the module docstring)."""
-    run_trial(config, SecureSGDTrialConfig, SecureSGDMechanism, "secure_sgd")
+    run_trial(config, SecureSGDTrialConfig, SecureSGDMechanism, "secure_sgd", noise_key=noise_key)
 
 
-def secure_sgd_agm(config: dict) -> None:
+def secure_sgd_agm(config: dict, noise_key=None) -> None:
     """Ray Tune function trainable for SecureSGD-AGM (flat config; see the module docstring)."""
-    run_trial(config, SecureSGDAGMTrialConfig, SecureSGDMechanism, "secure_sgd_agm")
+    run_trial(config, SecureSGDAGMTrialConfig, SecureSGDMechanism, "secure_sgd_agm", noise_key=noise_key)
 
 
 TRAINABLES = (

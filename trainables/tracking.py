@@ -32,6 +32,7 @@ TAG_TRIAL = "dpsweep.trial_id"
 TAG_TRAINABLE = "dpsweep.trainable"
 TAG_PARENT = "mlflow.parentRunId"
 TAG_DEVICE = "dpsweep.device"
+TAG_NOISE = "dpsweep.noise"   # "secret", or the research mode's label (docs/threat_model.md)
 #: the keys a child run's name always shows when the trial has them (besides the swept ones)
 NAME_ALWAYS = ("seed",)
 

@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dpmech import _validate as v
+from dpmech.privacy.secret import NoiseKey
 from dpmech.adlm.budget import (AdLMBudget, feature_copies, feature_scales, feature_sensitivity, features_epsilon,
                                 laplace_epsilon, loss_sensitivity, redistribute, relevance_sensitivity,
                                 split_budget)
@@ -67,7 +68,7 @@ class AdLMTrainer:
 
     def __init__(self, config: AdLMConfig, x_train: torch.Tensor, y_train: torch.Tensor, *,
                  relevance_data: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", noise_key=None):
         config.validate()
         self.config = config
         self.device = torch.device(device)
@@ -96,8 +97,10 @@ class AdLMTrainer:
         net.encoder.enforce = False   # AdLM puts no bound on the first layer (no gamma as in DPAL)
         self.budget: AdLMBudget = split_budget(config.epsilon, config.budget_split)
         self.batch_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
-        self.noise_gen = torch.Generator(device="cpu").manual_seed(config.seed + 2)
-        self.relevance_gen = torch.Generator(device="cpu").manual_seed(config.seed + 3)
+        # the noise the guarantee rests on, from the secret key (docs/threat_model.md)
+        self.noise_key = NoiseKey.resolve(noise_key)
+        self.noise_gen = self.noise_key.generator("adlm.noise", config.seed + 2)
+        self.relevance_gen = self.noise_key.generator("adlm.relevance", config.seed + 3)
         self._draw_noise(net, rx.to(self.device), ry.to(self.device))
         self.optimizer = torch.optim.Adam(net.parameters(), lr=config.lr)
         self.epoch = 0

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpmech import _validate as v
+from dpmech.privacy.secret import NoiseKey
 from dpmech.privacy.accounting import PrivacyLedger, noise_multiplier_for, subsampled_gaussian_event
 from dpmech.datasets.splits import num_classes
 from dpmech.dpgan.evaluate import JudgedSampler
@@ -200,7 +201,7 @@ class DPMERFTrainer(JudgedSampler):
 
     def __init__(self, config: DPMERFConfig, x_train: torch.Tensor, y_train: torch.Tensor, *,
                  device: str | torch.device = "cpu", judge_data=None, judge_epochs: int = 3,
-                 eval_samples: int = 500):
+                 eval_samples: int = 500, noise_key=None):
         self.config = config
         self.device = torch.device(device)
         v.training_images(x_train, y_train)
@@ -212,7 +213,8 @@ class DPMERFTrainer(JudgedSampler):
         self.noise_multiplier = calibrate_noise(config)
         self.features = RandomFourierFeatures(math.prod(self.input_shape), config.n_features, config.lengthscale,
                                               config.seed).to(self.device)
-        noise_gen = torch.Generator(device="cpu").manual_seed(config.seed + 2)
+        self.noise_key = NoiseKey.resolve(noise_key)   # the release's noise (docs/threat_model.md)
+        noise_gen = self.noise_key.generator("dp_merf.noise", config.seed + 2)
         self.released = release_embedding(self.features, x_train.to(self.device), y_train.to(self.device),
                                           classes=self.classes, count_weight=config.count_weight,
                                           noise_multiplier=self.noise_multiplier, generator=noise_gen)

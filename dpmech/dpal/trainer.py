@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from dpmech import _validate as v
+from dpmech.privacy.secret import NoiseKey
 from dpmech.robustness.attacks import ifgsm, mim, pgd
 from dpmech.dpal.budget import Budget, laplace_epsilon
 from dpmech.dpal.config import DPALConfig
@@ -56,7 +57,7 @@ class DPALTrainer:
     """Trains DPAL on in-memory tensors (inputs in [-1, 1], int64 labels) epoch by epoch."""
 
     def __init__(self, config: DPALConfig, x_train: torch.Tensor, y_train: torch.Tensor, *,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", noise_key=None):
         config.validate()
         self.config = config
         self.device = torch.device(device)
@@ -82,12 +83,13 @@ class DPALTrainer:
         # Alg. 1 line 1: the noise, once.
         self.budget: Budget = config.budget
         scales = config.noise_scales
-        self.noise_gen = torch.Generator(device="cpu").manual_seed(config.seed + 2)
+        self.noise_key = NoiseKey.resolve(noise_key)   # the noise the accounting rests on (docs/threat_model.md)
+        self.noise_gen = self.noise_key.generator("dpal.noise", config.seed + 2)
         self.noise = TrainingNoise.draw(
             x_shape=self.model.noised_shape, h_shape=self.model.hidden_shape,
             y_shape=(self.model.h_pi, self.model.classes), scale_x=scales.x, scale_h=scales.h, scale_y=scales.y,
             generator=self.noise_gen).to(self.device)
-        self.train_gen = torch.Generator(device=self.device).manual_seed(config.seed + 3)
+        self.train_gen = self.noise_key.generator("dpal.train", config.seed + 3, self.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
         self.epoch = 0
         self.steps = 0

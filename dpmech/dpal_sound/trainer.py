@@ -168,10 +168,11 @@ class DPALSoundTrainer(DPSGDTrainer):
     config: DPALSoundConfig
 
     def __init__(self, model, x_train, y_train, config: DPALSoundConfig, *, device="cpu", plan_size=None,
-                 canaries=None):
+                 canaries=None, noise_key=None):
         if not isinstance(config, DPALSoundConfig):
             raise ValueError(f"config must be a DPALSoundConfig, got {type(config).__name__}")
-        super().__init__(model, x_train, y_train, config, device=device, plan_size=plan_size, canaries=canaries)
+        super().__init__(model, x_train, y_train, config, device=device, plan_size=plan_size, canaries=canaries,
+                         noise_key=noise_key)
         if self.bookkeeper is not None:
             self.bookkeeper.remove()
             self.bookkeeper = PairedBookKeeper(self.model)

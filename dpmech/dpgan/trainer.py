@@ -51,6 +51,7 @@ import torch
 from torch.func import functional_call, grad_and_value, vmap
 
 from dpmech import _validate as v
+from dpmech.privacy.secret import NoiseKey
 from dpmech.privacy.accounting import PrivacyLedger
 from dpmech.privacy.clipping import BookKeeper
 from dpmech.datasets.splits import num_classes
@@ -66,7 +67,8 @@ class DPGANTrainer(JudgedSampler):
 
     def __init__(self, config: DPGANConfig, x_train: torch.Tensor, y_train: torch.Tensor, *,
                  device: str | torch.device = "cpu", judge_data: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 judge_epochs: int = 3, eval_samples: int = 500, plan_size: int | None = None, canaries=None):
+                 judge_epochs: int = 3, eval_samples: int = 500, plan_size: int | None = None, canaries=None,
+                 noise_key=None):
         config.validate()
         self.config = config
         self.device = torch.device(device)
@@ -104,8 +106,10 @@ class DPGANTrainer(JudgedSampler):
         kw = {} if config.optimizer == "rmsprop" else {"betas": (0.5, 0.9)}
         self.critic_opt = opt(self.critic.parameters(), lr=config.lr_critic, **kw)
         self.generator_opt = opt(self.generator.parameters(), lr=config.lr_generator, **kw)
-        self.sample_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)      # Poisson sampling
-        self.noise_gen = torch.Generator(device=self.device).manual_seed(config.seed + 2)  # Gaussian noise
+        # Poisson sampling and the Gaussian noise from the secret key (docs/threat_model.md)
+        self.noise_key = NoiseKey.resolve(noise_key)
+        self.sample_gen = self.noise_key.generator("dpgan.sampling", config.seed + 1)
+        self.noise_gen = self.noise_key.generator("dpgan.noise", config.seed + 2, self.device)
         self.latent_gen = torch.Generator(device=self.device).manual_seed(config.seed + 3)  # z and fake labels
         self.ledger = PrivacyLedger()
         # The fake labels' distribution: None = uniform (Alg. 1), else the released label histogram.
@@ -113,7 +117,7 @@ class DPGANTrainer(JudgedSampler):
         self.label_histogram: torch.Tensor | None = None
         self.fake_label_probs: torch.Tensor | None = None
         if self.histogram_noise is not None:
-            hist_gen = torch.Generator(device="cpu").manual_seed(config.seed + 4)
+            hist_gen = self.noise_key.generator("dpgan.histogram", config.seed + 4)
             self.label_histogram = release_label_histogram(self._y, self.classes, self.histogram_noise, hist_gen)
             self.ledger.record(1.0, self.histogram_noise, 1)
             self.fake_label_probs = label_probabilities(self.label_histogram).to(self.device)

@@ -83,6 +83,7 @@ import torch.nn.functional as F
 
 from dpmech import _validate as v
 from dpmech.privacy.accounting import PrivacyLedger, noise_multiplier_for, subsampled_gaussian_event
+from dpmech.privacy.secret import NoiseKey
 from dpmech._validate import matching_checkpoint
 
 CLIPPING_MODES = ("bk", "ghost", "flat")
@@ -319,8 +320,12 @@ class DPSGDTrainer:
         else:
             base = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
 
-        self.sample_gen = torch.Generator(device="cpu").manual_seed(stream_seed(config.seed, _SAMPLING))
-        self.noise_gen = torch.Generator(device=self.device).manual_seed(stream_seed(config.seed, _NOISE))
+        # Sampling and noise (the draws the guarantee rests on) from the secret key (docs/threat_model.md);
+        # the research mode's key replays the public seed's streams. Augmentation is per example and
+        # data-independent: it follows the public seed.
+        self.noise_key = NoiseKey.resolve(noise_key)
+        self.sample_gen = self.noise_key.generator("dpsgd.sampling", stream_seed(config.seed, _SAMPLING))
+        self.noise_gen = self.noise_key.generator("dpsgd.noise", stream_seed(config.seed, _NOISE), self.device)
         self.augment_gen = torch.Generator(device=self.device).manual_seed(stream_seed(config.seed, _AUGMENT))
 
         self.gsm = None

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dpmech import _validate as v
+from dpmech.privacy.secret import NoiseKey
 from dpmech._validate import matching_checkpoint
 from dpmech.label_dp.release import (MECHANISMS, POSTPROCESS, PRIOR_MODES, RECIPES, TASKS, LabelRelease, _check_labels,
                                      analytic_keep_prob, release_labels, rr_keep_prob)
@@ -142,7 +143,7 @@ class LabelDPTrainer:
     Inputs in [-1, 1], labels int in [0, K-1]."""
 
     def __init__(self, config: LabelDPConfig, x_train: torch.Tensor, y_train: torch.Tensor, *,
-                 num_classes: int = 10, device: str | torch.device = "cpu"):
+                 num_classes: int = 10, device: str | torch.device = "cpu", noise_key=None):
         config.validate()
         self.config = config
         self.device = torch.device(device)
@@ -157,7 +158,9 @@ class LabelDPTrainer:
         mech = config.mechanism if config.private else "none"
         self.two_stage = mech == "lp2st"
         # 1. the release: drawn once, before training, from its own generator
-        self.label_gen = torch.Generator(device="cpu").manual_seed(derive_seed(config.seed, 2))
+        # (its randomness is the guarantee's: from the secret key, docs/threat_model.md)
+        self.noise_key = NoiseKey.resolve(noise_key)
+        self.label_gen = self.noise_key.generator("label_dp.release", derive_seed(config.seed, 2))
         self.part1 = torch.arange(n)
         self.stage = 1
         if self.two_stage:

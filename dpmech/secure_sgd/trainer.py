@@ -225,7 +225,8 @@ class SecureSGDTrainer(DPSGDTrainer):
     generators, checkpointed with the rest); the privacy of the training data is the ledger's."""
 
     def __init__(self, config: SecureSGDConfig, x_train: torch.Tensor, y_train: torch.Tensor, *,
-                 device: str | torch.device = "cpu", plan_size: int | None = None, canaries=None):
+                 device: str | torch.device = "cpu", plan_size: int | None = None, canaries=None,
+                 noise_key=None):
         config.validate()
         self.secure_config = config
         with torch.random.fork_rng(devices=[]):
@@ -237,7 +238,7 @@ class SecureSGDTrainer(DPSGDTrainer):
         if tuple(model.input_shape) != tuple(x_train.shape[1:]):
             raise ValueError(f"x_train images must have shape {model.input_shape}, got {tuple(x_train.shape[1:])}")
         super().__init__(model, x_train, y_train, config.dpsgd_config(), device=device, plan_size=plan_size,
-                         canaries=canaries)
+                         canaries=canaries, noise_key=noise_key)
 
     # -------------------------------------------------------------- redistribution
     def set_redistribution(self, r: torch.Tensor) -> float:
