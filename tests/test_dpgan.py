@@ -4,6 +4,7 @@ beats chance in train-on-synthetic accuracy. Tiny subsets and networks (docs/dpg
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from dp_accounting import dp_event as dpe
 from dp_accounting.rdp import rdp_privacy_accountant
 
+from dpmech.privacy.secret import NoiseKey
 from dpmech.privacy.accounting import RDP_ORDERS, noise_multiplier_for
 from dpmech.dpgan.config import DPGANConfig, paper_lemma2_epsilon, paper_lemma2_sigma
 from dpmech.dpgan.trainer import DPGANTrainer
@@ -35,31 +37,86 @@ def _trainer(n=256, calibrate=False, **kw):
     x, y = _data(n)
     cfg = DPGANConfig(**base)
     if calibrate or not cfg.private:
-        return DPGANTrainer(cfg, x, y)
+        return DPGANTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     with pytest.MonkeyPatch.context() as mp:  # skip the (slow) bisection; sigma is recorded as used
         mp.setattr("dpmech.dpgan.trainer.calibrate_noise", lambda config, n: SIGMA)
-        return DPGANTrainer(cfg, x, y)
+        return DPGANTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------ the critic's mechanism
-def test_per_example_gradient_norms_are_clipped_before_noise():
-    tr = _trainer()
-    # negative control: without clipping some per-example norms exceed c_g (so the bound is active)
-    xb, yb = tr._x[:64], tr._y[:64]
-    _, _, before, after = tr.clipped_real_gradients(xb, yb)
-    assert (before > tr.config.clip_grad).any()
-    assert (after <= tr.config.clip_grad + 1e-6).all()
-    # the norms recomputed from the returned per-example gradients, and at every step of training
-    clipped, _, _, _ = tr.clipped_real_gradients(xb, yb)
-    norms = torch.sqrt(sum(g.flatten(1).pow(2).sum(1) for g in clipped.values()))
-    assert (norms <= tr.config.clip_grad + 1e-6).all()
-    for _ in range(10):
-        tr.critic_step()
-        assert tr.last_clipped_norms is not None
-        assert (tr.last_clipped_norms <= tr.config.clip_grad + 1e-6).all()
+def _measure_engine_clipping(tr, steps: int):
+    """Run ``steps`` critic steps and measure what the engine clipped, against plain autograd.
+
+    Each step's Poisson batch, the critic's weights before the step and the clipped sum the engine
+    hands to the Gaussian mechanism (the argument of ``_add_noise``) are captured. Afterwards, at each
+    step's weights: the reference per-example gradients g_i of -f_w(x_i, y_i), one backward pass each,
+    clipped to c_g with the engine's factor min(1, c_g / (||g_i|| + 1e-6)), summed; and the engine run
+    on every example alone (its clipped sum of one example is that example's clipped gradient).
+    Returns (largest relative error of the engine's sums, largest norm of an engine-clipped example,
+    fraction of examples the bound was active on)."""
+    c_g = tr.config.clip_grad
+    batches, sums, weights = [], [], []
+    sample, add_noise = tr._sample_real_batch, tr._add_noise
+
+    def spy_sample():
+        xb, yb = sample()
+        batches.append((xb.clone(), yb.clone()))
+        weights.append(copy.deepcopy(tr.critic.state_dict()))
+        return xb, yb
+
+    def spy_noise(summed):
+        sums.append({k: g.detach().clone() for k, g in summed.items()})
+        return add_noise(summed)
+
+    tr._sample_real_batch, tr._add_noise = spy_sample, spy_noise
+    try:
+        for _ in range(steps):
+            tr.critic_step()
+    finally:
+        tr._sample_real_batch, tr._add_noise = sample, add_noise
+    now = copy.deepcopy(tr.critic.state_dict())
+    names = [k for k, _ in tr.critic.named_parameters()]
+    err, top, active, total = 0.0, 0.0, 0, 0
+    try:
+        for (xb, yb), summed, w in zip(batches, sums, weights):
+            if xb.shape[0] == 0:
+                continue
+            tr.critic.load_state_dict(w)
+            ref = _per_example_grads(tr, xb, yb, -1.0)
+            norms = ref.norm(dim=1, keepdim=True)
+            expected = (ref * (c_g / (norms + 1e-6)).clamp(max=1.0)).sum(0)
+            engine = torch.cat([summed[k].flatten() for k in names])
+            err = max(err, ((engine - expected).norm() / expected.norm()).item())
+            active += int((norms > c_g).sum())
+            total += xb.shape[0]
+            for i in range(xb.shape[0]):
+                one, _, _ = tr._clipped_sum(xb[i:i + 1], yb[i:i + 1], -1.0)
+                top = max(top, torch.sqrt(sum(g.pow(2).sum() for g in one.values())).item())
+    finally:
+        tr.critic.load_state_dict(now)
+    return err, top, active / total
+
+
+def test_per_example_gradient_norms_are_clipped_before_noise(monkeypatch):
+    """What the engine clipped during training, measured: the clipped sum that reaches the noise at
+    every step equals the sum of the autograd per-example gradients clipped to c_g, and each example's
+    clipped gradient has norm <= c_g (not ``last_clipped_norms``, which is computed from the bound)."""
+    tr = _trainer(clip_grad=1.2)  # per-example norms here are about 1.1 to 1.5
+    err, top, active = _measure_engine_clipping(tr, 6)
+    assert err < 1e-4
+    assert top <= tr.config.clip_grad * (1 + 1e-6)
+    assert 0.05 < active < 1.0  # the bound is active on some examples and not on all
+    # negative control: an engine that clips to 2 c_g (the trainer still believes c_g) is caught by
+    # the same measurement, on the sums and on the per-example norms
+    from dpmech.privacy.clipping import BookKeeper
+
+    real = BookKeeper.clipped_sum
+    monkeypatch.setattr(BookKeeper, "clipped_sum", lambda self, loss, c: real(self, loss, 2 * c))
+    bad_err, bad_top, _ = _measure_engine_clipping(_trainer(clip_grad=1.2), 6)
+    assert bad_err > 100 * 1e-4 and bad_top > 1.1 * tr.config.clip_grad
 
 
 def test_per_example_gradients_match_autograd():
@@ -75,17 +132,41 @@ def test_per_example_gradients_match_autograd():
     torch.testing.assert_close(scores, tr.critic(xb, yb).detach())
 
 
+def _unclipped_sum(tr, x, y):
+    """A wrong engine for the negative control: the plain sum of the real term's gradients."""
+    out = tr.critic(x, y)
+    grads = torch.autograd.grad(-out.sum(), list(tr.critic.parameters()))
+    norms = torch.zeros(x.shape[0])
+    return {k: g.detach() for (k, _), g in zip(tr.critic.named_parameters(), grads)}, out.detach(), norms
+
+
 def test_noise_is_added_to_the_clipped_sum_with_std_sigma_cg():
     """The released real-data gradient minus the clipped sum / m has per-coordinate std sigma c_g / m."""
+    def check(tr) -> tuple[float, float]:
+        """(relative error of the residual's std against sigma c_g, its mean in standard errors)"""
+        xb, yb = tr._x[:100], tr._y[:100]
+        clipped, _, _, _ = tr.clipped_real_gradients(xb, yb)
+        noisy, _ = tr._noisy_real_gradient(xb, yb)
+        resid = torch.cat([(noisy[k] * tr.expected_batch - clipped[k].sum(0)).flatten() for k in clipped])
+        expected = SIGMA * tr.config.clip_grad
+        assert resid.numel() > 10000
+        return abs(resid.std().item() / expected - 1), abs(resid.mean().item()) / (expected / math.sqrt(resid.numel()))
+
     tr = _trainer(n=2000, batch_size=100)
-    xb, yb = tr._x[:100], tr._y[:100]
-    clipped, _, _, _ = tr.clipped_real_gradients(xb, yb)
-    noisy, _ = tr._noisy_real_gradient(xb, yb)
-    resid = torch.cat([(noisy[k] * tr.expected_batch - clipped[k].sum(0)).flatten() for k in clipped])
-    expected = tr.noise_multiplier * tr.config.clip_grad
-    assert resid.numel() > 10000
-    assert abs(resid.std().item() / expected - 1) < 0.03
-    assert abs(resid.mean().item()) < 4 * expected / math.sqrt(resid.numel())
+    assert tr.noise_multiplier == SIGMA
+    std_err, mean_z = check(tr)
+    assert std_err < 0.03 and mean_z < 4
+    # negative controls, the same check on deliberately wrong mechanisms: noise of std 1.15 sigma c_g
+    # (std 15% off, about 20 standard errors), and noise added to the unclipped sum (the residual then
+    # holds the clipped-away part, so its mean and spread move)
+    loud = _trainer(n=2000, batch_size=100)
+    loud.noise_multiplier = 1.15 * SIGMA
+    assert check(loud)[0] > 0.1
+    unclipped = _trainer(n=2000, batch_size=100)
+    real_sum = unclipped._clipped_sum
+    unclipped._clipped_sum = lambda x, y, sign: real_sum(x, y, sign) if x.shape[0] < 2 else _unclipped_sum(unclipped, x, y)
+    std_bad, mean_bad = check(unclipped)
+    assert std_bad > 0.1 or mean_bad > 10
 
 
 def test_critic_weights_within_clip_after_every_step():

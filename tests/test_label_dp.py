@@ -11,8 +11,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from dpmech.privacy.secret import NoiseKey
 from dpmech.label_dp.trainer import LabelDPConfig, LabelDPTrainer
-from dpmech.label_dp.release import (clamp_round_keep_prob, clamp_round_log_matrix, laplace_argmax_keep_prob,
+from dpmech.label_dp.release import (LabelRelease, clamp_round_keep_prob, clamp_round_log_matrix, laplace_argmax_keep_prob,
                                      laplace_one_hot, laplace_value, randomized_response, release_labels, rr_epsilon,
                                      rr_flip_prob, rr_keep_prob, rr_output_matrix)
 from dpmech.privacy.mechanisms import laplace_scale
@@ -126,6 +127,38 @@ def test_post_processed_label_epsilons_do_not_exceed_epsilon():
         lm = clamp_round_log_matrix(laplace_scale(eps, 9.0), K)
         assert np.allclose(np.exp(lm).sum(axis=1), 1.0)
         assert (lm.max(axis=0) - lm.min(axis=0)).max() <= eps + 1e-9
+        # negative control: the same check on the source code's calibration of that scalar release
+        # (Delta = 2 instead of K - 1 = 9) finds output ratios up to e^(4.4 eps)
+        bad = clamp_round_log_matrix(laplace_scale(eps, 2.0), K)
+        assert (bad.max(axis=0) - bad.min(axis=0)).max() > 4 * eps
+    # negative control: a one-hot release with half the noise (b = 1 / eps, sensitivity 1 instead of
+    # 2) spends more than eps on the argmax labels where the post-processing saves little
+    for eps in (0.1, 1.0):
+        half = LabelRelease(torch.arange(K), "classification", "laplace", "argmax", K,
+                            noise_scale=laplace_scale(eps, 1.0), sensitivity=1.0)
+        assert half.label_epsilon() > 1.1 * eps
+
+
+def test_argmax_label_epsilon_matches_the_measured_keep_probability():
+    """label_epsilon of the argmax release, log(p (K - 1) / (1 - p)), against p measured on 400,000
+    draws of the release itself; a release with half the noise measures far above epsilon."""
+    eps, n = 1.0, 400_000
+    y = torch.full((n,), 3)
+
+    def measured(release) -> tuple[float, float]:
+        p = release.kept(y).double().mean().item()
+        se = math.sqrt(p * (1 - p) / n) / (p * (1 - p))  # delta method: d/dp log(p / (1 - p))
+        return math.log(p * (K - 1) / (1 - p)), se
+
+    r = release_labels(y, num_classes=K, task="classification", mechanism="laplace", epsilon=eps,
+                       generator=torch.Generator().manual_seed(21))
+    got, se = measured(r)
+    assert abs(got - r.label_epsilon()) < 4 * se and r.label_epsilon() <= eps
+    noisy_half = laplace_one_hot(y, K, laplace_scale(eps, 1.0), torch.Generator().manual_seed(22)).argmax(dim=1)
+    half = LabelRelease(noisy_half, "classification", "laplace", "argmax", K, noise_scale=laplace_scale(eps, 1.0),
+                        sensitivity=1.0)
+    bad, bad_se = measured(half)
+    assert bad > eps + 20 * bad_se
 
 
 # ---------------------------------------------------------------- keep probabilities
@@ -210,7 +243,7 @@ def test_regression_labels_stay_in_range():
 def test_labels_released_once_identical_across_epochs_and_restore(task, mechanism):
     x, y = _data(60)
     cfg = LabelDPConfig(task=task, mechanism=mechanism, epsilon=1.0, epochs=3, batch_size=20, seed=4)
-    a = LabelDPTrainer(cfg, x, y)
+    a = LabelDPTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     released = a.labels.clone()
     gen_state = a.label_gen.get_state()
     assert not torch.equal(released.to(torch.int64) if task == "classification" else released, y.to(released.dtype))
@@ -228,7 +261,7 @@ def test_labels_released_once_identical_across_epochs_and_restore(task, mechanis
     assert torch.equal(a.labels, released) and torch.equal(a.label_gen.get_state(), gen_state)
 
     # a restored trainer uses the stored labels (not a redraw) and continues bit for bit
-    b = LabelDPTrainer(cfg, x, y)
+    b = LabelDPTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     b.labels = torch.zeros_like(b.labels)  # would show if the restore kept its own draw
     b.load_state_dict(state)
     assert torch.equal(b.labels, released) and b.epoch == 1
@@ -239,11 +272,11 @@ def test_labels_released_once_identical_across_epochs_and_restore(task, mechanis
     assert a.privacy() == b.privacy()
 
     # same config, same draw; another seed, another draw; a config mismatch is refused
-    assert torch.equal(LabelDPTrainer(cfg, x, y).labels, released)
+    assert torch.equal(LabelDPTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed)).labels, released)
     other = LabelDPConfig(task=task, mechanism=mechanism, epsilon=1.0, epochs=3, batch_size=20, seed=5)
-    assert not torch.equal(LabelDPTrainer(other, x, y).labels, released)
+    assert not torch.equal(LabelDPTrainer(other, x, y, noise_key=NoiseKey.reproducible(other.seed)).labels, released)
     with pytest.raises(ValueError, match="config"):
-        LabelDPTrainer(other, x, y).load_state_dict(state)
+        LabelDPTrainer(other, x, y, noise_key=NoiseKey.reproducible(other.seed)).load_state_dict(state)
 
 
 def test_each_trainer_starts_from_a_fresh_model_and_leaves_global_rng_alone():
