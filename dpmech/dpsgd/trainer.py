@@ -372,24 +372,71 @@ class DPSGDTrainer:
         self.gsm.disable_hooks()  # only on inside train_step: evaluation and attacks see a plain model
 
     def _attach_canaries(self, canaries, params: list) -> None:
-        """White-box canaries (:class:`dpmech.privacy.audit.whitebox.WhiteBoxCanaries`): their gradients
-        join the clipped sum before the noise and the auditor observes every noisy sum. In bk mode
-        :meth:`_add_noise_and_scale` calls them; in ghost and flat mode the Opacus optimizer's
-        ``add_noise`` is wrapped (it turns ``p.summed_grad`` into ``p.grad`` = sum + noise)."""
+        """White-box canaries (:mod:`dpmech.privacy.audit.whitebox`). Both kinds are examples of D:
+        the included ones are rows N .. N + |included| - 1 of :meth:`poisson_batch` (one sampling
+        plan with the real examples; :meth:`_step` tells the canaries the engine's draw).
+        ``EngineCanaries`` are rows of the batch whose per-example losses (:meth:`per_example_loss`)
+        go through this engine's clipping on every route; ``WhiteBoxCanaries`` (inserted) add their
+        clipped gradient to the clipped sum before the noise (bk: :meth:`_add_noise_and_scale`;
+        ghost and flat: the Opacus optimizer's ``add_noise``, wrapped). The auditor observes the
+        update the optimizer applies (B times each gradient, a step pre-hook on the optimizer),
+        whatever the engine did to produce it."""
         if not self.config.private:
             raise ValueError("canaries: white-box canaries need DP-SGD's clipping and noise (set epsilon or "
                              "noise_multiplier; the non-private baseline has neither)")
+        engine = getattr(canaries, "kind", "inserted") == "engine"
+        if engine and type(self).forward_backward is not DPSGDTrainer.forward_backward:
+            raise ValueError(f"canaries: {type(self).__name__} computes its own per-example losses, which engine "
+                             "canaries cannot join; use inserted canaries (kind 'inserted')")
+        kw = {}
+        if engine:
+            kw["model"] = self.model
+            if self.gsm is not None:      # Opacus reads per-example gradients from its hooks while they record
+                gsm = self.gsm
+                kw["capture"] = lambda: gsm.hooks_enabled
         canaries.attach(params, max_grad_norm=self.config.max_grad_norm, sampling_rate=self.plan.sampling_rate,
-                        noise_multiplier=self.noise_multiplier)
+                        noise_multiplier=self.noise_multiplier, **kw)
         self.canaries = canaries
-        if self.bookkeeper is None:
+        self._canaries_engine = engine
+        if self.bookkeeper is None and not engine:
             opt, add_noise = self.optimizer, self.optimizer.add_noise
 
             def noise_with_canaries():
                 canaries.insert([p.summed_grad for p in opt.params])
                 add_noise()
-                canaries.observe([p.grad for p in opt.params])
             opt.add_noise = noise_with_canaries
+        update_params = [p for group in self.base_optimizer.param_groups for p in group["params"] if p.requires_grad]
+        B = float(self.config.batch_size)
+
+        def observe(optimizer, args, kwargs):   # the update the step applies, times the public B
+            canaries.observe([(p.grad if p.grad is not None else torch.zeros_like(p)).detach() * B
+                              for p in update_params])
+        self._canary_observer = self.base_optimizer.register_step_pre_hook(observe)
+
+    def _split_canaries(self, idx: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+        """(real example indices, canary numbers) of a draw of :meth:`poisson_batch`: rows at or
+        past N are the included canaries, in order; the canaries are told the engine's draw."""
+        if self.canaries is None:
+            return idx, np.zeros(0, dtype=np.int64)
+        n = self.num_real_examples
+        is_canary = idx >= n
+        ids = self.canaries.member_ids[(idx[is_canary] - n).cpu().numpy()]
+        self.canaries.set_batch(ids)
+        return idx[~is_canary], ids
+
+    def _canary_rows(self, xb: torch.Tensor, yb: torch.Tensor, ids: np.ndarray):
+        """The batch with one row per engine canary of ``ids`` appended (zeros: the canary's input
+        is planted at its layer by :meth:`EngineCanaries.begin`'s hooks)."""
+        xc = xb.new_zeros((len(ids),) + tuple(xb.shape[1:]))
+        return torch.cat([xb, xc]), torch.cat([yb, yb.new_zeros(len(ids))])
+
+    def per_example_loss(self, logits: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        """The per-example losses the engine clips: cross-entropy, with the engine canaries' rows
+        (if any in the batch) holding their planted loss (:meth:`EngineCanaries.losses`)."""
+        per_example = F.cross_entropy(logits, yb, reduction="none")
+        if self.canaries is not None and self._canaries_engine:
+            per_example = self.canaries.losses(per_example)
+        return per_example
 
     def close(self) -> None:
         """Remove the Opacus hooks from the model (it can then be trained by another trainer)."""
@@ -400,6 +447,8 @@ class DPSGDTrainer:
         if self.gsm is not None:
             self.gsm.remove_hooks()
             self.gsm = None
+        if self.canaries is not None and hasattr(self.canaries, "remove"):
+            self.canaries.remove()
 
     @property
     def base_optimizer(self) -> torch.optim.Optimizer:
@@ -417,8 +466,21 @@ class DPSGDTrainer:
 
     @property
     def num_examples(self) -> int:
-        """N: the training examples Poisson sampling draws from (tensor rows, or ``len(dataset)``)."""
+        """|D|: the examples Poisson sampling draws from: the N training examples (tensor rows, or
+        ``len(dataset)``), then the included white-box canaries (rows N, N + 1, ...)."""
+        return self.num_real_examples + (self.canaries.members if self.canaries is not None else 0)
+
+    @property
+    def num_real_examples(self) -> int:
+        """N: the training examples given (tensor rows, or ``len(dataset)``)."""
         return int(self.x.shape[0]) if self.dataset is None else len(self.dataset)
+
+    def _no_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """An empty batch of the training examples' shape (a step whose draw holds only canaries)."""
+        if self.dataset is None:
+            return self.x[:0], self.y[:0]
+        xb, yb = self.batch(torch.zeros(1, dtype=torch.int64))
+        return xb[:0], yb[:0]
 
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The examples ``idx`` as (images, labels) on the device: an indexing of the tensors, or the
@@ -448,9 +510,11 @@ class DPSGDTrainer:
         logits = self.forward_train(xb)
         if cfg.private and cfg.clipping == "ghost":
             loss = self.criterion(logits, yb)          # packs both backward passes of ghost clipping
+            if self.canaries is not None and self._canaries_engine:
+                loss.loss_per_sample = self.canaries.losses(loss.loss_per_sample)
             per_example = loss.loss_per_sample
         else:
-            per_example = F.cross_entropy(logits, yb, reduction="none")
+            per_example = self.per_example_loss(logits, yb)
             # flat: Opacus rescales the per-example gradients of the mean by the batch length;
             # baseline: the same 1/B scaling as DP-SGD (B the expected batch size), no clipping or noise
             loss = per_example.mean() if cfg.private else per_example.sum() / cfg.batch_size
@@ -467,7 +531,7 @@ class DPSGDTrainer:
             logits = self.forward_train(xb)
         finally:
             bk.enabled = False
-        per_example = F.cross_entropy(logits, yb, reduction="none")
+        per_example = self.per_example_loss(logits, yb)
         bk.clipped_sum(per_example.sum(), self.config.max_grad_norm)
         self._add_noise_and_scale()
         return logits.detach(), per_example.detach()
@@ -478,13 +542,11 @@ class DPSGDTrainer:
         std = self.noise_multiplier * self.config.max_grad_norm
         params = [p for group in self.base_optimizer.param_groups for p in group["params"] if p.requires_grad]
         sums = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if self.canaries is not None:   # white-box canaries: their gradients join the clipped sum
+        if self.canaries is not None:   # inserted canaries: their clipped gradients join the clipped sum
             self.canaries.insert(sums)
         if std > 0:   # (std z) + g built in z's buffer: the same numbers as g + std z, two passes fewer
             sums = [torch.randn(p.shape, generator=self.noise_gen, device=p.device, dtype=p.dtype).mul_(std).add_(g)
                     for p, g in zip(params, sums)]
-        if self.canaries is not None:   # ... and the auditor sees the noisy sum
-            self.canaries.observe(sums)
         for p, g in zip(params, sums):
             p.grad = g.div_(self.config.batch_size) if std > 0 else g / self.config.batch_size
 
@@ -497,13 +559,19 @@ class DPSGDTrainer:
         :meth:`train_step` makes that true; tests call this directly to fix a batch)."""
         self.model.train()
         cfg = self.config
-        if idx.numel() == 0:
+        idx, canary_ids = self._split_canaries(idx)      # white-box canaries drawn with the examples
+        rows = canary_ids if self.canaries is not None and self._canaries_engine else canary_ids[:0]
+        if idx.numel() == 0 and len(rows) == 0:
             self._empty_step()
             loss_sum, correct = 0.0, 0
         else:
             self._set_lr()
-            xb, yb = self.batch(idx)
+            xb, yb = self.batch(idx) if idx.numel() else self._no_rows()
             xb = self.augment(xb)
+            n_real = int(xb.shape[0])
+            if len(rows):        # engine canaries: rows of the batch, clipped with the examples
+                xb, yb = self._canary_rows(xb, yb, rows)
+                self.canaries.begin(n_real, rows)
             self.optimizer.zero_grad(set_to_none=True)
             if self.gsm is not None:
                 self.gsm.enable_hooks()
@@ -515,10 +583,12 @@ class DPSGDTrainer:
             finally:
                 if self.gsm is not None:
                     self.gsm.disable_hooks()
+                if len(rows):
+                    self.canaries.end()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)  # frees the per-example gradients
-            loss_sum = float(per_example.detach().sum())
-            correct = int((logits.detach().argmax(1) == yb).sum())
+            loss_sum = float(per_example[:n_real].detach().sum())
+            correct = int((logits[:n_real].detach().argmax(1) == yb[:n_real]).sum())
         self.steps += 1
         self.ledger.record(self.plan.sampling_rate, self.noise_multiplier if cfg.private else 0.0, 1)
         return int(idx.numel()), loss_sum, correct
