@@ -166,16 +166,17 @@ def run_tests(tree: Path, tests: list[str], timeout: float) -> tuple[str, float,
     return "error", seconds, failed.group(1) if failed else None, tail  # collection error, no tests, ...
 
 
-def check(mutants: list[Mutant], *, timeout: float = DEFAULT_TIMEOUT, from_head: bool = False,
-          source: Path = ROOT, log=print) -> tuple[list[Outcome], dict]:
-    """Baseline, then every mutant, on one temporary copy of the tree (each mutant restored after)."""
+def check(mutants: list[Mutant], *, timeout: float = DEFAULT_TIMEOUT, baseline_timeout: float | None = None,
+          from_head: bool = False, source: Path = ROOT, log=print, on_outcome=None) -> tuple[list[Outcome], dict]:
+    """Baseline, then every mutant, on one temporary copy of the tree (each mutant restored after).
+    ``on_outcome(outcomes, baseline)`` is called after each mutant (progress files)."""
     with tempfile.TemporaryDirectory(prefix="dpsweep-mutation-") as tmp:
         tree = Path(tmp) / "tree"
         copy_tree(tree, from_head=from_head, source=source)
         check_imports(tree)
         targets = sorted({t for m in mutants for t in m.tests})
         log(f"baseline: {len(targets)} test targets on the unmutated copy")
-        base_status, base_seconds, base_failed, base_tail = run_tests(tree, targets, timeout * 2)
+        base_status, base_seconds, base_failed, base_tail = run_tests(tree, targets, baseline_timeout or 4 * timeout)
         baseline = {"status": base_status, "seconds": round(base_seconds, 1), "failed": base_failed,
                     "targets": targets}
         broken: set[str] = set()
@@ -212,6 +213,8 @@ def check(mutants: list[Mutant], *, timeout: float = DEFAULT_TIMEOUT, from_head:
             detail = tail if result in ("error", "survived") else ""
             outcomes.append(Outcome(m.name, result, round(seconds, 1), failed, detail, m.tests))
             log(f"{m.name:40s} {result:9s} {seconds:6.1f} s  {failed or ''}")
+            if on_outcome is not None:
+                on_outcome(outcomes, baseline)
     return outcomes, baseline
 
 
@@ -240,6 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="run the two mutants marked smoke: true")
     p.add_argument("--only", action="append", metavar="NAME[,NAME]", help="run only these mutants")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per mutant's test run")
+    p.add_argument("--baseline-timeout", type=float, help="seconds for the unmutated run of every named test "
+                                                          "(default 4 x --timeout)")
     p.add_argument("--from-head", action="store_true", help="copy the committed tree instead of the working tree")
     p.add_argument("--mutants", type=Path, default=MUTANTS, help="the list (default benchmarks/mutants.yaml)")
     p.add_argument("--out", type=Path, help="results JSON (default for a full run: "
@@ -257,29 +262,38 @@ def main(argv=None) -> int:
         return 1 if bad else 0
     chosen = _select(mutants, args)
     start = time.monotonic()
-    outcomes, baseline = check(chosen, timeout=args.timeout, from_head=args.from_head)
-    counts = summary(outcomes)
-    print(f"{len(outcomes)} mutants: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v))
-    for o in outcomes:
-        if o.status != "killed":
-            print(f"  {o.status}: {o.name} ({' '.join(o.tests)})")
     out = args.out
     if out is None and not (args.smoke or args.only):
         out = ROOT / "benchmarks" / "results" / "mutation_check.json"
-    if out is not None:
+    env = None
+
+    def save(outcomes, baseline, complete: bool) -> None:
+        nonlocal env
+        if out is None:
+            return
         sys.path.insert(0, str(ROOT))
         import torch
 
         from benchmarks.common import environment, write_result
 
-        payload = {**environment(torch.device("cpu")), "mutants_file": str(args.mutants.relative_to(ROOT))
-                   if args.mutants.resolve().is_relative_to(ROOT) else str(args.mutants),
+        env = env or environment(torch.device("cpu"))
+        listed = args.mutants.resolve()
+        payload = {**env, "mutants_file": str(listed.relative_to(ROOT)) if listed.is_relative_to(ROOT) else str(listed),
                    "source": "HEAD" if args.from_head else "working tree",
                    "selection": "smoke" if args.smoke else ("only" if args.only else "all"),
-                   "timeout_s": args.timeout, "wall_s": round(time.monotonic() - start, 1),
-                   "summary": counts, "baseline": baseline,
-                   "mutants": [o.__dict__ for o in outcomes]}
+                   "complete": complete, "timeout_s": args.timeout, "wall_s": round(time.monotonic() - start, 1),
+                   "summary": summary(outcomes), "baseline": baseline, "mutants": [o.__dict__ for o in outcomes]}
         write_result("mutation_check", payload, out=out)
+
+    outcomes, baseline = check(chosen, timeout=args.timeout, baseline_timeout=args.baseline_timeout,
+                               from_head=args.from_head, on_outcome=lambda o, b: save(o, b, False))
+    counts = summary(outcomes)
+    print(f"{len(outcomes)} mutants: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v))
+    for o in outcomes:
+        if o.status != "killed":
+            print(f"  {o.status}: {o.name} ({' '.join(o.tests)})")
+    save(outcomes, baseline, True)
+    if out is not None:
         print(f"wrote {out}")
     return 0 if counts["survived"] == counts["error"] == counts["baseline_failed"] == 0 else 1
 
