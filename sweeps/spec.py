@@ -554,6 +554,23 @@ def _delta_warnings(spec: SweepSpec) -> list[str]:
     return out
 
 
+def _model_warnings(spec: SweepSpec) -> list[str]:
+    """A user's model that the DP-SGD engine trains with layers replaced (BatchNorm with affine
+    parameters -> GroupNorm, ``make_private_compatible``): one warning per model and dataset
+    (trainables.config.user_model_warnings)."""
+    from trainables.config import user_model_warnings
+
+    out: list[str] = []
+    for space, configs in _space_configs(spec):
+        dim = next((d for d in space.dims if d.key == "model"), None)
+        where = dim.path if dim is not None else ("common.model" if "model" in spec.common else f"{space.path}.model")
+        for c in configs:
+            for line in user_model_warnings(space.model, c):
+                if f"{where}: {line}" not in out:
+                    out.append(f"{where}: {line}")
+    return out
+
+
 def reference_matches(where: dict, config: dict) -> bool:
     """A trial config matches a ``reference`` point when every key of ``where`` equals the
     trial's configured value (numbers compared to a relative 1e-9, so 0.2 matches 0.2000000001)."""
@@ -661,7 +678,7 @@ def validate_spec(raw: dict) -> SweepSpec:
     _check_metrics(spec)
     _check_certify_images(spec)
     _check_reference(spec)
-    spec._warnings = _delta_warnings(spec) + _scheduler_warnings(spec)
+    spec._warnings = _delta_warnings(spec) + _scheduler_warnings(spec) + _model_warnings(spec)
     spec._raw = copy.deepcopy(raw)
     return spec
 

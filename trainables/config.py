@@ -169,6 +169,22 @@ class CommonConfig(BaseModel):
                                  f"{beta:g}); use fewer canaries or a smaller delta (docs/audit.md)")
         return self
 
+    @model_validator(mode="after")
+    def _per_example_model(self):
+        """A private run of the DP-SGD engine (``dpsgd_engine``) trains a user's model only if its
+        training forward pass, as the engine converts it, treats each example alone and changes no
+        buffer (dpmech.privacy.per_example; a model-level rule: it depends on ``epsilon`` and
+        ``model``, which a spec may sweep apart)."""
+        path = getattr(self, "model", None)
+        if self.dpsgd_engine and getattr(self, "epsilon", None) is not None:
+            from dpmech.datasets.user_code import is_import_path
+
+            if is_import_path(path):
+                problem = _user_model_problem(path, self.dataset, False, "", None, True)
+                if problem:
+                    raise ValueError(problem)
+        return self
+
     def smoothing_unavailable(self) -> str | None:
         """Why randomized smoothing cannot certify this trial's model (None: no objection here).
 
@@ -207,21 +223,18 @@ class CommonConfig(BaseModel):
         return value
 
 
-def check_user_model(path: str, info, *, bk: bool = False, trainable: str = "", outputs: int | None = None,
-                     per_example: bool = False) -> None:
+def check_user_model(path: str, info, *, bk: bool = False, trainable: str = "", outputs: int | None = None) -> None:
     """Validation of a ``model`` import path against the trial's dataset (``info.data``): importable,
-    builds an ``nn.Module`` for the dataset's shape and classes, one forward pass; with
-    ``per_example`` (a private run of the DP-SGD engine) the model as the engine trains it
-    (``make_private_compatible``: BatchNorm with affine parameters replaced by GroupNorm) must treat
-    each example alone in its training forward pass and change no buffer
-    (dpmech.privacy.per_example); with ``bk``, every parameterised layer of that model is one
-    book-keeping clipping handles (dpmech.privacy.clipping). ``outputs`` overrides the number of
-    classes (1 for a regression head). Cached per (path, dataset, bk, outputs, per_example) so
-    validating many trials builds the model once."""
+    builds an ``nn.Module`` for the dataset's shape and classes, one forward pass; with ``bk``,
+    every parameterised layer of the model as the DP-SGD engine trains it (``make_private_compatible``:
+    BatchNorm with affine parameters replaced by GroupNorm) is one book-keeping clipping handles
+    (dpmech.privacy.clipping). ``outputs`` overrides the number of classes (1 for a regression head).
+    Cached per (path, dataset, bk, outputs) so validating many trials builds the model once. (The
+    check that a private run's model treats each example alone is :meth:`CommonConfig._per_example_model`.)"""
     dataset = info.data.get("dataset")
     if dataset is None:        # the dataset itself failed validation: that error is reported
         return
-    problem = _user_model_problem(path, dataset, bk, trainable, outputs, per_example)
+    problem = _user_model_problem(path, dataset, bk, trainable, outputs)
     if problem:
         raise ValueError(problem)
 
@@ -253,7 +266,7 @@ def _user_model_problem(path: str, dataset: str, bk: bool, trainable: str, outpu
                 msg = f"{trainable} clips with 'bk' only, {msg}".replace("; use clipping 'ghost' or 'flat'",
                                                                             "; train it with dpsgd and clipping 'ghost' or 'flat'")
         elif per_example and msg.startswith(("module ", "the model itself", "its training forward pass")):
-            msg = f"{path!r}: {msg}"
+            msg = f"model {path!r}: {msg}"
         return msg
     return None
 

@@ -45,9 +45,7 @@ def model_field(value: str, info, *, bk: bool = False, trainable: str = "") -> s
     if not is_import_path(value):
         raise ValueError(f"must be one of {', '.join(map(repr, BUILTIN_MODELS))} or an import path "
                          f"'package.module:factory', got {value!r}")
-    # a private run: the model (as the engine converts it) must treat each example alone
-    check_user_model(value, info, bk=bk, trainable=trainable,
-                     per_example=info.data.get("epsilon", 1.0) is not None)
+    check_user_model(value, info, bk=bk, trainable=trainable)
     return value
 
 
