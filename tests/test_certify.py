@@ -97,6 +97,43 @@ def test_hoeffding_half_width_is_pinned():
     np.testing.assert_allclose(hi - 0.5, 0.0547335, rtol=1e-5)
 
 
+def test_bernstein_half_width_is_pinned():
+    """Maurer & Pontil (2009), Thm. 4 at a = alpha / (2K): sqrt(2 V ln(2/a) / n) + 7 ln(2/a) / (3 (n - 1)),
+    V the unbiased sample variance; worked out by hand for V = 0.25 n / (n - 1)."""
+    K, n = 10, 1000
+    mean = np.full((1, K), 0.5)
+    est = MonteCarloEstimate(np.zeros((1, K), dtype=np.int64) + 100, mean, mean.copy(), n)  # scores in {0, 1}
+    lo, hi = bernstein_bounds(est, alpha=0.05)
+    # ln(800) = 6.6846117; sqrt(2 * 0.2502503 * 6.6846117 / 1000) = 0.0578416; 7 * 6.6846117 / 2997 = 0.0156130
+    np.testing.assert_allclose(hi - 0.5, 0.0734546, rtol=1e-5)
+    np.testing.assert_allclose(0.5 - lo, 0.0734546, rtol=1e-5)
+
+
+def test_argmax_bounds_are_clopper_pearson_at_alpha_over_k_and_cover_jointly():
+    """Each class's interval is the two-sided Clopper-Pearson interval at level 1 - alpha / K
+    (Bonferroni): pinned against scipy's beta quantiles, and jointly covering the K true argmax
+    probabilities of 10,000 multinomial count vectors; the same intervals at level 1 - alpha each
+    (no Bonferroni, the control) miss jointly far more often than alpha."""
+    from scipy.stats import beta
+
+    from dpmech.robustness.certification import argmax_bounds
+
+    rng = np.random.default_rng(13)
+    K, n, alpha, trials = 10, 200, 0.05, 10_000
+    p = np.array([0.3, 0.2, 0.1, 0.1, 0.08, 0.07, 0.05, 0.05, 0.03, 0.02])
+    counts = rng.multinomial(n, p, size=trials)
+    lo, hi = argmax_bounds(counts, alpha=alpha)
+    a = alpha / K
+    np.testing.assert_allclose(lo[:50], np.where(counts[:50] > 0, beta.ppf(a / 2, counts[:50], n - counts[:50] + 1), 0),
+                               rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(hi[:50], np.where(counts[:50] < n, beta.ppf(1 - a / 2, counts[:50] + 1, n - counts[:50]),
+                                                 1), rtol=1e-9, atol=1e-12)
+    allowed = alpha + _slack(alpha)
+    assert _joint_miss(lo, hi, p) <= allowed
+    bad_lo, bad_hi = clopper_pearson(counts, n, alpha)
+    assert _joint_miss(bad_lo, bad_hi, p) > 3 * allowed
+
+
 def test_hoeffding_covers_bernoulli_half_scores_and_half_the_width_does_not():
     """Scores that are Bernoulli(1/2) (all their variance at the edges of [0, 1]) are where
     Hoeffding is nearly tight: the bounds cover every class jointly with probability >= 1 - alpha,
