@@ -60,12 +60,30 @@ has it (a layer without it takes the nearest: grouped / compiled -> bmm on linea
 route over ``INST_MAX`` -> its ``_w`` form). GroupNorm's affine parameters: the per-example
 gradients (sum over positions of dz * x_hat, and of dz) are [B, C], always instantiated.
 
+**Shared parameters (weight tying).** A parameter used by several modules (two ``nn.Linear``
+sharing one weight, an input and an output projection) has, for example i, the gradient
+g_i^W = sum_u dz_{u,i}^T a_{u,i} over its uses u; its norm is ||sum_u g_{u,i}||, not
+sqrt(sum_u ||g_{u,i}||^2): adding per-layer squared norms would drop the cross terms
+2 <g_{u,i}, g_{v,i}> and clip to up to sqrt(k) C for k aligned uses. So the uses of a shared weight
+are one *unit*: each use in the form of a linear layer with positions (a convolution's input as
+its unfolded patches [T, d], its output gradient as [T, p]), concatenated along the position axis
+(the same rule as ``rows_per_example``), so that every route above computes the norm of the sum
+exactly (the ghost norm's cross terms over positions of different uses are the cross terms between
+the uses) and the clipped sum sum_i c_i g_i^W. A shared bias or GroupNorm parameter: the sum over
+its uses of the per-example gradients [B, n], instantiated. Every parameter of a module that shares
+any parameter goes through such units (a unit of one use for the rest); routes of a shared weight
+are named by its uses, e.g. ``"enc.weight+dec.weight"`` in ``BookKeeper.routes``.
+
 The result is exact (no approximation; tested against a per-example clip-and-sum reference and
-each layer's per-example norm against ``torch.func``). Supported parameterised modules:
-``nn.Linear`` (inputs [B, d] or [B, ..., d]), ``nn.Conv2d`` (zero padding, any stride, dilation,
-groups = 1), ``nn.GroupNorm``. Any other module with trainable parameters (e.g. the PixelDP
-``BoundedConv2d``, whose kernel is renormalised in the forward pass) is refused with an error that
-names it; use ``clipping="ghost"`` there. A module used twice in one forward pass is refused too.
+each layer's per-example norm against ``torch.func``; tied weights in tests/test_clipping_tied.py).
+Supported parameterised modules: ``nn.Linear`` (inputs [B, d] or [B, ..., d]), ``nn.Conv2d`` (zero
+padding, any stride, dilation, groups = 1), ``nn.GroupNorm``. Any other module with trainable
+parameters (e.g. the PixelDP ``BoundedConv2d``, whose kernel is renormalised in the forward pass) is
+refused with an error that names it; use ``clipping="ghost"`` there. A module used twice in one
+forward pass is refused too (tie two modules' parameters instead). Of the other engines, Opacus's
+``flat`` per-sample gradients sum a shared parameter's uses before clipping (exact); Opacus's ghost
+clipping refuses tying (``NotImplementedError: Parameter tying is not supported with Ghost
+Clipping``, at the first step).
 """
 
 from __future__ import annotations
@@ -104,7 +122,8 @@ def _supported(module: nn.Module) -> bool:
 
 def check_model(model: nn.Module) -> list[nn.Module]:
     """The parameterised leaf modules of ``model`` (trainable parameters), or a ValueError naming the
-    first one that book-keeping clipping cannot handle."""
+    first one that book-keeping clipping cannot handle. A parameter shared by several of them is
+    allowed (clipped exactly: :class:`_Shared`)."""
     layers = []
     for name, m in model.named_modules():
         own = [p for p in m.parameters(recurse=False) if p.requires_grad]
@@ -537,6 +556,73 @@ def _check_route(field: str, value, allowed: tuple) -> None:
     raise ValueError(f"{field} must be one of {allowed} (a route may end in '@k', k >= 1 threads), got {value!r}")
 
 
+class _Shared:
+    """A clipping unit of the parameters of modules that share one (weight tying; module docstring).
+
+    ``kind`` "weight": a Linear / Conv2d weight used by ``uses`` (its modules); its saved calls are
+    joined into one linear layer with positions (:meth:`linear_form`), which :class:`_Layer` treats
+    as any multi-position linear layer, so every route gives the exact norm of the summed gradient.
+    ``kind`` "vector": a bias or GroupNorm parameter; its per-example gradient [B, n] is the sum
+    over its uses. Looks like a layer to the clipped-sum code: ``weight`` is the parameter, ``bias``
+    None."""
+
+    def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], name: str):
+        self.weight, self.bias, self.uses, self.name = param, None, uses, name
+        self.kind = "weight" if uses[0][1] == "weight" and isinstance(uses[0][0], (nn.Linear, nn.Conv2d)) else "vector"
+
+    def linear_form(self, saved: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs [rows, T, d] and output gradients [rows, T, p] of every use, concatenated along
+        the positions T (a convolution's input as its unfolded patches)."""
+        us, gs = [], []
+        for m, _ in self.uses:
+            a, dz = saved[m]
+            rows = a.shape[0]
+            if isinstance(m, nn.Conv2d):
+                p = dz.shape[1]
+                us.append(_patches(a, m).permute(0, 1, 4, 5, 2, 3).reshape(rows, m.weight[0].numel(), -1)
+                          .transpose(1, 2))
+                gs.append(dz.reshape(rows, p, -1).transpose(1, 2))
+            else:
+                us.append(a.reshape(rows, -1, a.shape[-1]))
+                gs.append(dz.reshape(rows, -1, dz.shape[-1]))
+        return torch.cat(us, 1), torch.cat(gs, 1)
+
+    def per_example(self, saved: dict, k: int) -> torch.Tensor:
+        """The per-example gradient [B, n] of a "vector" parameter: the sum over its uses (a bias:
+        the output gradient summed over positions; a GroupNorm weight: dz * x_hat summed)."""
+        total = None
+        for m, attr in self.uses:
+            a, dz = saved[m]
+            if isinstance(m, nn.GroupNorm):
+                dims = tuple(range(2, dz.dim()))
+                g = (dz * F.group_norm(a, m.num_groups, eps=m.eps)).sum(dims) if attr == "weight" else dz.sum(dims)
+            else:
+                pos = tuple(range(2, dz.dim())) if isinstance(m, nn.Conv2d) else tuple(range(1, dz.dim() - 1))
+                g = dz.sum(pos) if pos else dz
+            g = g.reshape(k, -1, g.shape[-1]).sum(0)
+            total = g if total is None else total + g
+        return total
+
+
+def _shared_units(layers: list[nn.Module], names: dict) -> tuple[list[_Shared], set]:
+    """The units of the modules that share a trainable parameter (every parameter of such a module,
+    shared or not, one unit per parameter), and the set of those modules."""
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for m in layers:
+        for attr, p in m.named_parameters(recurse=False):
+            if p.requires_grad:
+                uses.setdefault(id(p), []).append((m, attr))
+                params[id(p)] = p
+    tied = {m for u in uses.values() if len(u) > 1 for m, _ in u}
+    units = []
+    for key, u in uses.items():
+        if any(m in tied for m, _ in u):
+            name = "+".join(f"{names[m]}.{attr}" if names[m] else attr for m, attr in u)
+            units.append(_Shared(params[key], u, name))
+    return units, tied
+
+
 class BookKeeper:
     """Forward hooks saving each supported layer's input and output; :meth:`clipped_sum` then
     computes sum_i min(1, C/||g_i||) g_i into ``p.grad`` of every trainable parameter.
@@ -562,6 +648,9 @@ class BookKeeper:
         self.layers = check_model(model)
         members = set(self.layers)
         self._names = {m: name for name, m in model.named_modules() if m in members}
+        # modules sharing a parameter (weight tying) are clipped by units of their parameters
+        self._units, self._tied = _shared_units(self.layers, self._names)
+        self._names.update({u: u.name for u in self._units})
         self._pinned: dict[str, str] = {}
         self.pin(routes or {})
         self.routes: dict[str, str] = {}
@@ -574,9 +663,15 @@ class BookKeeper:
         """Fix the routes of some layers ({layer name: route}, e.g. a checkpoint's ``routes``: the
         measured choice of another process, so that a resumed run takes the same arithmetic)."""
         routes = dict(routes)
+        tied = {self._names[m] for m in self._tied}
         for name, r in routes.items():
+            if name in tied:
+                unit = next((u.name for u in self._units if u.kind == "weight"
+                             and any(self._names[m] == name for m, _ in u.uses)), "")
+                raise ValueError(f"routes: {name!r} shares a parameter with another layer; its weight's route is "
+                                 f"the unit's, {unit!r}")
             if name not in self._names.values():
-                raise ValueError(f"routes: {name!r} is not a parameterised layer of the model")
+                raise ValueError(f"routes: {name!r} is not a parameterised layer (or shared weight) of the model")
             _check_route(f"routes: the route of {name!r}", r, ROUTES)
         self._pinned.update(routes)
 
@@ -626,6 +721,9 @@ class BookKeeper:
         convolution / multi-position linear layer (None: as ``prefer`` resolves it)."""
         k, rows = self.rows_per_example, a.shape[0]
         b = rows // k
+
+        if isinstance(m, _Shared) and m.kind == "vector":      # a: the per-example gradients [B, n]
+            return (a * a).sum(1), (lambda c: (c @ a, None))
 
         if isinstance(m, nn.GroupNorm):
             xhat = F.group_norm(a, m.num_groups, eps=m.eps)
@@ -684,9 +782,14 @@ class BookKeeper:
                 raise ValueError(f"clipping: {k} rows per example need a multiple of {k} rows, got {a.shape[0]}")
             items.append((m, a, (torch.zeros_like(out) if dz is None else dz).detach()))
         self._saved.clear()
+        if self._units:     # the modules that share a parameter: one item per parameter (their units)
+            saved = {m: (a, dz) for m, a, dz in items if m in self._tied}
+            items = [it for it in items if it[0] not in self._tied]
+            for u in self._units:
+                items.append((u, *u.linear_form(saved)) if u.kind == "weight" else (u, u.per_example(saved, k), None))
         lays = {}
         for m, a, dz in items:
-            if not isinstance(m, nn.GroupNorm):
+            if not isinstance(m, nn.GroupNorm) and not (isinstance(m, _Shared) and m.kind == "vector"):
                 lay = _Layer(m, a, dz, k)
                 if lay.t > 1:
                     lays[m] = lay
