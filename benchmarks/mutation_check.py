@@ -14,7 +14,8 @@ fail anyway proves nothing), then applies the mutants one at a time and runs eac
 * ``timeout``: the tests ran past ``--timeout`` (reported apart; not counted as a kill);
 * ``error``: the old text is not in the file, or occurs more than once (the list has rotted: fix
   the entry, loudly, rather than skip it), or pytest could not run the tests at all;
-* ``baseline_failed``: a named test already fails without the mutation.
+* ``baseline_failed``: every named test already fails without the mutation (a test that fails
+  unmutated is reported in ``baseline`` and deselected from every mutant's run).
 
 Usage (from the repository root, with the project's virtual environment)::
 
@@ -37,6 +38,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -146,29 +148,37 @@ def check_imports(tree: Path) -> None:
         raise RuntimeError(f"dpmech imports from {out}, not from the copy {tree}: mutants would not be seen")
 
 
-def run_tests(tree: Path, tests: list[str], timeout: float) -> tuple[str, float, str | None, str]:
-    """pytest -x -q on ``tests`` in ``tree``: (passed | failed | timeout | error, seconds, first failing
-    test, output tail)."""
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]
+def run_tests(tree: Path, tests: list[str], timeout: float, *, stop_first: bool = True,
+              deselect: tuple[str, ...] = ()) -> tuple[str, float, list[str], str]:
+    """pytest -q (with -x unless ``stop_first`` is False) on ``tests`` in ``tree``, less the node ids in
+    ``deselect``: (passed | failed | timeout | error, seconds, failing tests, output tail)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *tests]
+    if stop_first:
+        cmd.insert(3, "-x")
+    for node in deselect:
+        cmd += ["--deselect", node]
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return "timeout", time.monotonic() - start, None, ""
+        return "timeout", time.monotonic() - start, [], ""
     seconds = time.monotonic() - start
     out = proc.stdout + proc.stderr
     tail = "\n".join(out.strip().splitlines()[-15:])
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
     if proc.returncode == 0:
-        return "passed", seconds, None, tail
-    failed = re.search(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+        return "passed", seconds, [], tail
     if proc.returncode == 1 and failed:
-        return "failed", seconds, failed.group(1), tail
-    return "error", seconds, failed.group(1) if failed else None, tail  # collection error, no tests, ...
+        return "failed", seconds, failed, tail
+    return "error", seconds, failed, tail  # collection error, no tests collected, ...
 
 
 def check(mutants: list[Mutant], *, timeout: float = DEFAULT_TIMEOUT, baseline_timeout: float | None = None,
           from_head: bool = False, source: Path = ROOT, log=print, on_outcome=None) -> tuple[list[Outcome], dict]:
     """Baseline, then every mutant, on one temporary copy of the tree (each mutant restored after).
+
+    The baseline runs every named test unmutated (without -x): a test that fails there is reported
+    and deselected from the mutants' runs, so it can neither kill a mutant nor hide the others.
     ``on_outcome(outcomes, baseline)`` is called after each mutant (progress files)."""
     with tempfile.TemporaryDirectory(prefix="dpsweep-mutation-") as tmp:
         tree = Path(tmp) / "tree"
@@ -176,19 +186,14 @@ def check(mutants: list[Mutant], *, timeout: float = DEFAULT_TIMEOUT, baseline_t
         check_imports(tree)
         targets = sorted({t for m in mutants for t in m.tests})
         log(f"baseline: {len(targets)} test targets on the unmutated copy")
-        base_status, base_seconds, base_failed, base_tail = run_tests(tree, targets, baseline_timeout or 4 * timeout)
-        baseline = {"status": base_status, "seconds": round(base_seconds, 1), "failed": base_failed,
-                    "targets": targets}
-        broken: set[str] = set()
+        base_status, base_seconds, broken, base_tail = run_tests(tree, targets, baseline_timeout or 4 * timeout,
+                                                                 stop_first=False)
+        baseline = {"status": base_status, "seconds": round(base_seconds, 1), "failed": broken, "targets": targets}
         if base_status != "passed":
-            log(f"baseline {base_status}: {base_failed}\n{base_tail}")
-            # which targets fail on their own (so their mutants are reported, not counted as kills)
-            for t in targets:
-                st, _, failed, _ = run_tests(tree, [t], timeout)
-                if st != "passed":
-                    broken.add(t)
-                    log(f"  baseline {st}: {t} ({failed})")
-            baseline["broken"] = sorted(broken)
+            log(f"baseline {base_status}: {len(broken)} failing tests, deselected from the mutants' runs: "
+                f"{', '.join(broken)}\n{base_tail}")
+            if base_status != "failed":
+                raise RuntimeError(f"baseline {base_status}: the named tests could not run unmutated\n{base_tail}")
         outcomes = []
         for m in mutants:
             path = tree / m.file
@@ -198,21 +203,20 @@ def check(mutants: list[Mutant], *, timeout: float = DEFAULT_TIMEOUT, baseline_t
                 outcomes.append(Outcome(m.name, "error", detail=f"{m.file}: {why}", tests=m.tests))
                 log(f"{m.name:40s} error: {why}")
                 continue
-            if broken & set(m.tests):
-                outcomes.append(Outcome(m.name, "baseline_failed", detail="a named test fails without the mutation",
-                                        tests=m.tests))
-                log(f"{m.name:40s} baseline_failed")
-                continue
             original = path.read_text()
             path.write_text(original.replace(m.old, m.new, 1))
             try:
-                status, seconds, failed, tail = run_tests(tree, m.tests, timeout)
+                status, seconds, failed, tail = run_tests(tree, m.tests, timeout, deselect=tuple(broken))
             finally:
                 path.write_text(original)
-            result = {"passed": "survived", "failed": "killed", "timeout": "timeout", "error": "error"}[status]
+            if status == "error" and broken and "no tests ran" in tail:
+                status = "baseline_failed"  # every named test was deselected
+            result = {"passed": "survived", "failed": "killed", "timeout": "timeout", "error": "error",
+                      "baseline_failed": "baseline_failed"}[status]
             detail = tail if result in ("error", "survived") else ""
-            outcomes.append(Outcome(m.name, result, round(seconds, 1), failed, detail, m.tests))
-            log(f"{m.name:40s} {result:9s} {seconds:6.1f} s  {failed or ''}")
+            first = failed[0] if failed else None
+            outcomes.append(Outcome(m.name, result, round(seconds, 1), first, detail, m.tests))
+            log(f"{m.name:40s} {result:9s} {seconds:6.1f} s  {first or ''}")
             if on_outcome is not None:
                 on_outcome(outcomes, baseline)
     return outcomes, baseline
@@ -250,6 +254,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="results JSON (default for a full run: "
                                             "benchmarks/results/mutation_check.json)")
     args = p.parse_args(argv)
+    if argv is None:  # as a program: on SIGTERM stop the running tests and remove the copy
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     mutants = load_mutants(args.mutants)
     if args.list:
         bad = 0
