@@ -294,7 +294,8 @@ def test_random_layers_are_not_mixing_but_a_mixing_random_model_is_still_caught(
 
 def test_what_the_check_names():
     """Mixing in a parent's own forward code names the parent; a batch-size-dependent layer is
-    caught by the removal test; a counter buffer is refused too (documented decision)."""
+    caught by the removal test; a counter buffer is refused too (documented decision); a layer
+    changing its input in place is no false positive; a failing forward pass is reported."""
     class Inline(nn.Module):
         def __init__(self):
             super().__init__()
@@ -325,6 +326,11 @@ def test_what_the_check_names():
         "model: module '1' (PerBatch) mixes the examples of a batch (removing one example")
     assert per_example_problem(nn.Sequential(nn.Linear(12, 3), Counter()), *x).startswith(
         "model: module '1' (Counter) updates its buffer 'steps'")
+    class Doubles(nn.Module):                         # changes its input in place: per example, not mixing
+        def forward(self, x):
+            return x.mul_(2)
+
+    assert per_example_problem(nn.Sequential(Doubles(), nn.Linear(12, 3)), *x) is None
     broken = nn.Sequential(nn.Linear(5, 3))
     assert per_example_problem(broken, *x).startswith("model: its training forward pass failed")
 

@@ -188,7 +188,7 @@ def _run(model: nn.Module, xs: list[torch.Tensor], seed: int, repeat_seed: int |
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=_devices(xs)):
                 torch.manual_seed(seed)
-                rec.out = _rows(target(*xs), n)
+                rec.out = _rows(target(*[x.clone() for x in xs]), n)     # a copy: a model may change its input
         except Exception as exc:  # noqa: BLE001
             return (f"model: its training forward pass failed on the per-example check's batch of {n} inputs "
                     f"of shape {list(xs[0].shape[1:])} ({type(exc).__name__}: {' '.join(str(exc).split())})"), None
@@ -205,7 +205,7 @@ def _run(model: nn.Module, xs: list[torch.Tensor], seed: int, repeat_seed: int |
             handles = []
             with torch.no_grad(), torch.random.fork_rng(devices=_devices(xs)):
                 torch.manual_seed(repeat_seed)
-                again = _rows(target(*xs), n)
+                again = _rows(target(*[x.clone() for x in xs]), n)
         return rec, again
     finally:
         for h in handles:
