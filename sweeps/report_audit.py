@@ -40,20 +40,20 @@ def primary_estimator(row) -> str:
 
 def corrected_bound(row, estimator: str, k: int) -> float:
     """The trial's lower bound at level beta / k from its logged counts (nan without them)."""
+    from dpmech.privacy.audit.fdp import eps_delta_lower_bound
     from dpmech.privacy.audit.one_run import epsilon_lower_bound
-    from dpmech.privacy.audit.fdp import mu_lower_bound
-    from dpmech.privacy.audit.gdp import gdp_epsilon
 
     m, r, v = (_num(row.get(c)) for c in ("audit_canaries", "audit_guesses", "audit_correct"))
-    beta, delta = _num(row.get("audit_beta")), _num(row.get("delta"))
+    beta, delta = _num(row.get("audit_beta")), _num(row.get("audit_delta"))
+    if not math.isfinite(delta):       # sweeps logged before audit_delta: the trial's delta
+        delta = _num(row.get("delta"))
     if not all(math.isfinite(x) for x in (m, r, v, beta)):
         return math.nan
     delta = delta if math.isfinite(delta) else 0.0
     m, r, v, level = int(m), int(r), int(v), beta / max(k, 1)
     try:
         if estimator == "fdp":
-            mu = mu_lower_bound(m, r, v, beta=level)
-            return gdp_epsilon(mu, delta) if mu > 0 and delta > 0 else 0.0
+            return eps_delta_lower_bound(m, r, v, delta=delta, beta=level)
         return epsilon_lower_bound(r, v, beta=level, delta=delta, m=m)
     except ValueError:      # e.g. the delta term leaves nothing of beta / k
         return 0.0
@@ -81,9 +81,13 @@ def audit_rows(trials) -> list[dict]:
                "confidence": f"{1 - beta:.3g}" if math.isfinite(beta) else "",
                "lb / claim": lb / claim if claim > 0 and math.isfinite(claim) else math.nan}
         for name, label in (("audit_epsilon_lb_steinke", "steinke"), ("audit_epsilon_lb_fdp", "fdp"),
+                            ("audit_epsilon_gaussian_fdp", "Gaussian-family epsilon (not a bound)"),
                             ("audit_epsilon_est_gdp", "gdp (estimate)")):
             if name in r and math.isfinite(_num(r.get(name))):
                 row[label] = _num(r[name])
+        mu_claim, mu_lb = _num(r.get("audit_mu_claim")), _num(r.get("audit_mu_lb_fdp"))
+        if math.isfinite(mu_claim) and math.isfinite(mu_lb):     # an exactly Gaussian mechanism
+            row["mu lb / Gaussian claim"] = f"{mu_lb:.3g} / {mu_claim:.3g} ({'yes' if mu_lb <= mu_claim else '**NO**'})"
         row[f"lower bound at 1 - beta/{k}"] = fw
         row["consistent"] = "yes" if lb <= claim else "**NO**"
         row["consistent (family-wise)"] = "" if not math.isfinite(fw) else ("yes" if fw <= claim else "**NO**")
@@ -92,8 +96,13 @@ def audit_rows(trials) -> list[dict]:
 
 
 def _mode(row) -> str:
-    """whitebox when the trial logged ``audit_steps`` (only the engine's canaries observe steps)."""
-    return "whitebox" if math.isfinite(_num(row.get("audit_steps"))) else "blackbox"
+    """whitebox when the trial logged ``audit_steps`` (only the engine's canaries observe steps),
+    with the kind of canary (``audit_engine_canaries``: engine, or inserted Dirac)."""
+    if not math.isfinite(_num(row.get("audit_steps"))):
+        return "blackbox"
+    kind = _num(row.get("audit_engine_canaries"))
+    return "whitebox" if not math.isfinite(kind) else ("whitebox, engine canaries" if kind == 1.0 else
+                                                       "whitebox, inserted canaries")
 
 
 def section_lines(trials, md_table) -> list[str]:
@@ -109,7 +118,10 @@ def section_lines(trials, md_table) -> list[str]:
             f"the {k} trial(s) audited here: with k trials a few NO's can be chance (set `audit_beta` to 0.05 / k for "
             f"a sweep-wide 95% statement). The column \"lower bound at 1 - beta/{k}\" does that correction "
             f"(Bonferroni) from each trial's logged counts, so \"consistent (family-wise)\" is one statement about "
-            f"all {k} trials at confidence 1 - beta. \"gdp (estimate)\" is a point estimate, not a bound. Figure: "
+            f"all {k} trials at confidence 1 - beta. \"gdp (estimate)\" is a point estimate, not a bound; the "
+            "\"Gaussian-family epsilon\" is the epsilon of the weakest Gaussian mechanism the f-DP test does not "
+            "reject, a bound only for a Gaussian mechanism (compared, as mu, where the trial's is exactly Gaussian). "
+            "Figure: "
             "claimed vs audited (y = x: the claim).", "", *md_table(rows)]
 
 

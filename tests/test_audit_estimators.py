@@ -11,6 +11,7 @@ import pytest
 from scipy import integrate
 from scipy.stats import norm
 
+from dpmech.privacy.audit.estimators import run_estimators
 from dpmech.privacy.audit.one_run import epsilon_lower_bound
 from dpmech.privacy.audit.fdp import (eps_delta_lower_bound, fdp_epsilon_lower_bound, mu_lower_bound, rejects,
                                       gaussian_inverse_blowup)
@@ -119,14 +120,93 @@ def test_fdp_refutes_a_mechanism_that_leaks_more_than_claimed():
     assert refuted >= 9
 
 
+def _paper_eps_delta_grid_bound(m, r, v, delta, beta=0.05, step=1e-3):
+    """Independent implementation: the recursion written from the paper's statement with plain
+    lists, against the (eps, delta)-DP curve's inverse blow-up max(0, (y - delta) e^-eps,
+    1 - delta - e^eps (1 - y)) (Kairouz et al. 2015), searched upwards on a grid of eps; returns the
+    largest grid point rejected."""
+    best, eps = 0.0, 0.0
+    while eps < 20:
+        a, b = math.exp(-eps), math.exp(eps)
+        scale = beta * r / m
+        h, rr = [0.0] * (v + 1), [0.0] * (v + 1)
+        h[v], rr[v] = scale * (r - v) / r, scale * v / r
+        for i in range(v - 1, -1, -1):
+            y = rr[i + 1]
+            h[i] = max(h[i + 1], max(0.0, (y - delta) * a, 1.0 - delta - b * (1.0 - y)))
+            rr[i] = rr[i + 1] + i / (r - i) * (h[i] - h[i + 1])
+        if rr[0] + h[0] <= r / m:
+            return best
+        best = eps
+        eps += step
+    return best
+
+
+@pytest.mark.parametrize("m, r, v, delta", [(1000, 100, 90, 1e-5), (1000, 200, 170, 1e-5), (400, 400, 300, 0.0)])
+def test_eps_delta_bound_matches_an_independent_grid_search(m, r, v, delta):
+    """eps_delta_lower_bound at beta 0.05 lies within one grid step (0.001) above the independent
+    grid search's largest rejected epsilon (anchors: 1.6143 / 1.3863 / 0.8953), while the same
+    counts at twice the beta move it by 0.03 or more (so a bound at 2 beta cannot pass)."""
+    exact = eps_delta_lower_bound(m, r, v, delta=delta)
+    grid = _paper_eps_delta_grid_bound(m, r, v, delta)
+    assert grid <= exact < grid + 1e-3 + 1e-6
+    assert eps_delta_lower_bound(m, r, v, delta=delta, beta=0.1) > exact + 0.03
+    anchor = {(1000, 100, 90): 1.6143, (1000, 200, 170): 1.3863, (400, 400, 300): 0.8953}[(m, r, v)]
+    assert exact == pytest.approx(anchor, abs=2e-4)
+
+
+def _randomized_response(rng, eps, m):
+    """(eps, 0)-DP randomized response on each canary's bit, guessed on every canary: the count
+    of right guesses is Binomial(m, e^eps / (1 + e^eps))."""
+    return int(rng.binomial(m, math.exp(eps) / (1 + math.exp(eps))))
+
+
 def test_eps_delta_curve_test_is_a_valid_bound_for_randomized_response():
     """(eps, 0)-DP randomized response on every canary (right with probability e^eps / (1 + e^eps)):
     the curve test's 95% bound stays below eps in >= 36 of 40 runs."""
     rng = np.random.default_rng(9)
     eps, m = 2.0, 400
-    p = math.exp(eps) / (1 + math.exp(eps))
-    over = sum(eps_delta_lower_bound(m, m, int(rng.binomial(m, p)), delta=0.0) > eps for _ in range(40))
+    over = sum(eps_delta_lower_bound(m, m, _randomized_response(rng, eps, m), delta=0.0) > eps for _ in range(40))
     assert over <= 4
+
+
+def test_eps_delta_curve_check_fails_on_a_leakier_mechanism_and_on_a_wrong_bound():
+    """Negative controls for the test above, with the same 40 runs: (i) randomized response at
+    eps 3 held to the claim eps = 2 is over the claim in at least 36 runs (a leakier mechanism);
+    (ii) a wrong bound -- the Gaussian-family epsilon of the f-DP mu bound, which is not a bound
+    for randomized response -- is over the true eps = 2 in at least 30 runs."""
+    rng = np.random.default_rng(9)
+    m = 400
+    leaky = sum(eps_delta_lower_bound(m, m, _randomized_response(rng, 3.0, m), delta=0.0) > 2.0 for _ in range(40))
+    assert leaky >= 36, leaky
+    rng = np.random.default_rng(9)
+    wrong = sum(fdp_epsilon_lower_bound(m, m, _randomized_response(rng, 2.0, m), delta=1e-5) > 2.0
+                for _ in range(40))
+    assert wrong >= 30, wrong
+
+
+def test_randomized_response_is_not_called_refuted():
+    """Issue 32.6: a correct pure epsilon-DP mechanism (randomized response, epsilon 1, 100,000
+    canaries) audited with the f-DP estimator first: audit_epsilon_lb (the (eps, delta)-curve
+    bound) stays below the claim; the Gaussian-family conversion, which reads above it, has its
+    own name and is not the trial's lower bound."""
+    rng = np.random.default_rng(3)
+    m = 100_000
+    included = rng.random(m) < 0.5
+    p = math.exp(1.0) / (1 + math.exp(1.0))
+    said_in = np.where(rng.random(m) < p, included, ~included)
+    scores = said_in + 1e-6 * rng.random(m)          # ties broken at random within each answer
+    out = run_estimators(scores, included, estimators=["fdp", "steinke", "gdp"], delta=1e-5, claim=1.0)
+    assert out["audit_epsilon_lb"] == out["audit_epsilon_lb_fdp"]
+    assert 0.8 < out["audit_epsilon_lb"] <= 1.0 and out["audit_ratio"] <= 1.0
+    assert out["audit_epsilon_lb_steinke"] <= 1.0
+    assert out["audit_epsilon_gaussian_fdp"] > 1.2        # what was called a refutation before
+    from sweeps.report_audit import audit_rows
+    import pandas as pd
+
+    row, = audit_rows(pd.DataFrame([{"run": "rr", "trainable": "labeldp", "epsilon": 1.0, "delta": 1e-5, **out}]))
+    assert row["consistent"] == "yes" and row["consistent (family-wise)"] == "yes"
+    assert row["Gaussian-family epsilon (not a bound)"] == out["audit_epsilon_gaussian_fdp"]
 
 
 def test_rejects_nothing_without_right_guesses_and_validates_counts():

@@ -29,25 +29,45 @@ def _run(monkeypatch, config: dict, info: dict | None = None) -> list[dict]:
 
 
 def test_whitebox_audit_trial_logs_its_metrics(monkeypatch, tmp_path):
+    """A dpsgd trial with engine canaries (its default) and accountant pld: every audit metric is
+    logged; audit_claim is the epsilon the trial was calibrated to (epsilon_pld, not the looser RDP
+    figure); audit_beta and audit_delta are the configured 0.05 and the trial's delta, and every
+    logged bound equals the bound recomputed from the logged counts at them (issue 35.6: an
+    audit at twice its beta logged 0.1 and larger bounds)."""
     from mlflow.tracking import MlflowClient
+
+    from dpmech.privacy.audit.fdp import eps_delta_lower_bound, mu_lower_bound
+    from dpmech.privacy.audit.gdp import gdp_epsilon
+    from dpmech.privacy.audit.one_run import epsilon_lower_bound
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     exp = MlflowClient(uri).create_experiment("wb", artifact_location=str(tmp_path / "artifacts"))
     info = {"tracking_uri": uri, "experiment_id": exp}
     audit = {"mode": "whitebox", "canaries": 500, "estimator": ["fdp", "steinke", "gdp"], "guess_fraction": 0.1}
-    final = _run(monkeypatch, {"trainable": "dpsgd", **TINY, "audit": audit}, info)[-1]
-    for key in ("audit_epsilon_lb", "audit_epsilon_lb_fdp", "audit_mu_lb_fdp", "audit_epsilon_lb_steinke",
-                "audit_epsilon_est_gdp", "audit_claim", "audit_ratio", "audit_canaries", "audit_steps"):
+    final = _run(monkeypatch, {"trainable": "dpsgd", **TINY, "accountant": "pld", "audit": audit}, info)[-1]
+    for key in ("audit_epsilon_lb", "audit_epsilon_lb_fdp", "audit_mu_lb_fdp", "audit_epsilon_gaussian_fdp",
+                "audit_epsilon_lb_steinke", "audit_epsilon_est_gdp", "audit_claim", "audit_ratio", "audit_canaries",
+                "audit_steps", "audit_beta", "audit_delta", "audit_engine_canaries"):
         assert key in final, key
+    assert final["audit_engine_canaries"] == 1.0                           # dpsgd's default: engine canaries
     assert final["audit_epsilon_lb"] == final["audit_epsilon_lb_fdp"]      # the first rigorous estimator
-    assert final["audit_claim"] == final["epsilon"]
-    assert 0 < final["audit_epsilon_lb"] <= final["epsilon"]
-    assert final["audit_ratio"] == pytest.approx(final["audit_epsilon_lb"] / final["epsilon"])
+    assert final["audit_claim"] == final["epsilon_pld"] != final["epsilon"]
+    assert 0 < final["audit_epsilon_lb"] <= final["audit_claim"]
+    assert final["audit_ratio"] == pytest.approx(final["audit_epsilon_lb"] / final["audit_claim"])
     assert final["audit_steps"] == 2 * 4
-    assert "epsilon_lower_bound" not in final          # the legacy name belongs to the flat keys
+    assert "epsilon_lower_bound" not in final and "audit_mu_claim" not in final   # q = 1/4: not a Gaussian
     (run,) = MlflowClient(uri).search_runs([str(exp)])
-    assert run.data.metrics["audit_epsilon_lb_fdp"] == pytest.approx(final["audit_epsilon_lb_fdp"])
-    assert "whitebox" in run.data.params["audit"]
+    logged = run.data.metrics
+    assert logged["audit_beta"] == 0.05 and logged["audit_delta"] == float(run.data.params["delta"])
+    m, r, v = (int(logged[k]) for k in ("audit_canaries", "audit_guesses", "audit_correct"))
+    beta, delta = 0.05, logged["audit_delta"]
+    assert logged["audit_epsilon_lb_steinke"] == pytest.approx(epsilon_lower_bound(r, v, beta=beta, delta=delta, m=m))
+    assert logged["audit_epsilon_lb_fdp"] == pytest.approx(eps_delta_lower_bound(m, r, v, delta=delta, beta=beta))
+    mu = mu_lower_bound(m, r, v, beta=beta)
+    assert logged["audit_mu_lb_fdp"] == pytest.approx(mu)
+    assert logged["audit_epsilon_gaussian_fdp"] == pytest.approx(gdp_epsilon(mu, delta) if mu > 0 else 0.0)
+    assert logged["audit_epsilon_lb"] == pytest.approx(logged["audit_epsilon_lb_fdp"])
+    assert "whitebox" in run.data.params["audit"] and "'canary': 'engine'" in run.data.params["audit"]
 
 
 def test_flat_keys_are_the_blackbox_audit(monkeypatch):
@@ -68,10 +88,18 @@ def test_audit_key_rules():
     from trainables.secure_sgd import SecureSGDTrialConfig
 
     wb = {"mode": "whitebox", "canaries": 100}
-    for schema in (DPSGDTrialConfig, DPALSoundTrialConfig, SecureSGDTrialConfig):
+    for schema, kind in ((DPSGDTrialConfig, "engine"), (DPALSoundTrialConfig, "inserted"),
+                         (SecureSGDTrialConfig, "engine")):
         assert schema(audit=wb).audit == {"mode": "whitebox", "canaries": 100, "estimator": ["steinke", "fdp", "gdp"],
-                                          "confidence": 0.95, "direction": "dirac", "statistic": "llr",
-                                          "guess_fraction": 0.2}
+                                          "confidence": 0.95, "canary": kind, "direction": "dirac",
+                                          "statistic": "llr", "guess_fraction": 0.2}
+    assert DPSGDTrialConfig(audit={**wb, "canary": "inserted", "direction": "random"}).audit["canary"] == "inserted"
+    with pytest.raises(ValidationError, match="use 'inserted'"):
+        DPALSoundTrialConfig(audit={**wb, "canary": "engine"})
+    with pytest.raises(ValidationError, match="audit.direction"):
+        DPSGDTrialConfig(audit={**wb, "direction": "random"})
+    with pytest.raises(ValidationError, match="only a white-box audit"):
+        DPSGDTrialConfig(audit={"mode": "blackbox", "canaries": 10, "canary": "engine"})
     assert DPGANTrialConfig(audit={"mode": "blackbox", "canaries": 50}).audit["mode"] == "blackbox"
     cases = [
         ({"audit": wb, "audit_canaries": 10}, "not both"),
@@ -91,7 +119,13 @@ def test_audit_key_rules():
         assert "\n" not in str(err.value) and str(err.value).startswith("config.")
     from trainables.dp_merf import DPMERFTrialConfig
 
-    assert DPGANTrialConfig(audit=wb).audit["mode"] == "whitebox"       # the critic's private step
+    assert DPGANTrialConfig(audit=wb).audit["canary"] == "inserted"      # the critic's private step
+    from trainables.adlm import AdLMTrialConfig
+    from trainables.label_dp import LabelDPTrialConfig
+
+    assert AdLMTrialConfig(audit_canaries=10).audit_canaries == 10      # the list in docs/audit.md
+    with pytest.raises(ValidationError, match="no privacy guarantee for its training examples"):
+        LabelDPTrialConfig(audit_canaries=10)                              # label DP protects labels only
     with pytest.raises(ValidationError, match="does not train with it"):
         DPMERFTrialConfig(audit=wb)
     # a sweep's trial config carries every key: the flat keys at their defaults state no second audit

@@ -210,6 +210,10 @@ def test_correct_critic_audit_matches_the_gaussian_model_and_stays_below_the_cla
     assert 0.5 < out["audit_epsilon_lb_steinke"] < out["claim"]
     assert 0.5 < out["audit_epsilon_lb_fdp"] < out["claim"]
     assert out["audit_mu_lb_fdp"] < out["mu"]
+    # q = 1: the critic's steps are one Gaussian mechanism, so the Gaussian-family figure may be
+    # compared too (issue 32.6: only here), and it stays below the claim
+    assert out["audit_epsilon_lb_fdp"] < out["audit_epsilon_gaussian_fdp"] < out["claim"]
+    assert out["canary_kind"] == "inserted"
     assert not out["refuted"]
 
 

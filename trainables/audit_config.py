@@ -13,8 +13,14 @@
   et al. 2025), ``gdp`` (an estimate); the first rigorous one (steinke or fdp) is the trial's
   ``audit_epsilon_lb``. Default ``[steinke, fdp, gdp]``.
 * ``confidence``: 1 - beta of the lower bounds (default 0.95).
-* ``direction``: ``dirac`` (default) or ``random`` (white-box only); ``statistic``: ``llr``
-  (default) or ``sum`` (white-box only).
+* ``canary`` (white-box only): ``engine`` -- canaries that are examples of the engine's training
+  set, drawn by its sampler and clipped by its clipping routine, so a sampling or clipping bug
+  reaches them (:class:`dpmech.privacy.audit.whitebox.EngineCanaries`; the default of dpsgd and
+  secure_sgd) -- or ``inserted`` -- Dirac canaries added to the clipped sum (the default of
+  dpal_sound, whose paired loss engine canaries cannot join, and of dpgan's critic): they test
+  the noise and the accounting, not the clipping. The trial logs which (``audit_engine_canaries``).
+* ``direction``: ``dirac`` (default) or ``random`` (white-box, inserted only); ``statistic``:
+  ``llr`` (default) or ``sum`` (white-box only).
 * ``guess_fraction``: fraction of the canaries guessed, half "in" (highest scores), half "out"
   (default 0.2, as ``audit_guess_fraction``).
 
@@ -32,6 +38,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 FLAT_KEYS = ("audit_canaries", "audit_guess_fraction", "audit_beta")
+# the trainables whose mechanism is the DP-SGD engine's own step (its per-example loss, its
+# clipping): engine canaries are their default; the others that allow a white-box audit use inserted
+ENGINE_CANARY_SCHEMAS = ("DPSGDTrialConfig", "SecureSGDTrialConfig")
 
 
 class AuditSettings(BaseModel):
@@ -43,6 +52,7 @@ class AuditSettings(BaseModel):
     canaries: int = Field(gt=0)
     estimator: list[Literal["steinke", "fdp", "gdp"]] = Field(default_factory=lambda: ["steinke", "fdp", "gdp"])
     confidence: float = Field(0.95, gt=0, lt=1)
+    canary: Literal["engine", "inserted"] | None = None
     direction: Literal["dirac", "random"] = "dirac"
     statistic: Literal["llr", "sum"] = "llr"
     guess_fraction: float = Field(0.2, gt=0, le=1)
@@ -109,16 +119,32 @@ def check(cfg) -> None:
     if cfg.audit["mode"] == "whitebox" and "epsilon" in type(cfg).model_fields and cfg.epsilon is None:
         raise ValueError("audit: mode 'whitebox' needs a private trial; epsilon null is the non-private baseline "
                          "(no clipping, no noise: nothing for gradient canaries to audit)")
+    if cfg.audit["mode"] != "whitebox":
+        if cfg.audit.get("canary") is not None:
+            raise ValueError("audit.canary: only a white-box audit has gradient canaries (mode 'whitebox')")
+        return
+    engine_ok = type(cfg).__name__ in ENGINE_CANARY_SCHEMAS
+    if cfg.audit.get("canary") is None:        # completed here, so the trial's params say which kind ran
+        cfg.audit["canary"] = "engine" if engine_ok else "inserted"
+    if cfg.audit["canary"] == "engine" and not engine_ok:
+        raise ValueError("audit.canary: 'engine' canaries are rows of the DP-SGD engine's own batch and loss; this "
+                         "trainable computes its own per-example losses or is not that engine: use 'inserted'")
+    if cfg.audit["canary"] == "engine" and cfg.audit["direction"] != "dirac":
+        raise ValueError("audit.direction: engine canaries are Dirac (a coordinate of an nn.Linear weight); "
+                         "'random' directions are for canary 'inserted'")
 
 
 def whitebox_canaries(cfg):
-    """The :class:`dpmech.privacy.audit.whitebox.WhiteBoxCanaries` of a trial with a white-box audit
-    (None otherwise), seeded from the trial's seed (a restored trial has the same canaries)."""
+    """The canaries of a trial with a white-box audit (None otherwise): ``EngineCanaries`` or
+    inserted ``WhiteBoxCanaries`` (``audit.canary``), seeded from the trial's seed (a restored
+    trial has the same canaries)."""
     s = settings(cfg)
     if s is None or s.mode != "whitebox":
         return None
-    from dpmech.privacy.audit.whitebox import WhiteBoxCanaries
+    from dpmech.privacy.audit.whitebox import EngineCanaries, WhiteBoxCanaries
 
+    if (s.canary or "inserted") == "engine":
+        return EngineCanaries(s.canaries, seed=cfg.seed, statistic=s.statistic)
     return WhiteBoxCanaries(s.canaries, seed=cfg.seed, direction=s.direction, statistic=s.statistic)
 
 
@@ -127,15 +153,17 @@ def metric_names(audit: dict | None, audit_canaries: int = 0) -> set[str]:
     if audit:
         names = audit.get("estimator", ["steinke", "fdp", "gdp"])
         names = [names] if isinstance(names, str) else list(names)
-        out = {"audit_epsilon_lb", "audit_claim", "audit_ratio", "audit_correct", "audit_guesses"}
+        out = {"audit_epsilon_lb", "audit_claim", "audit_ratio", "audit_correct", "audit_guesses", "audit_delta"}
+        if audit.get("mode") == "whitebox":
+            out |= {"audit_steps", "audit_engine_canaries"}
         if "steinke" in names:
             out.add("audit_epsilon_lb_steinke")
         if "fdp" in names:
-            out |= {"audit_epsilon_lb_fdp", "audit_mu_lb_fdp"}
+            out |= {"audit_epsilon_lb_fdp", "audit_mu_lb_fdp", "audit_epsilon_gaussian_fdp"}
         if "gdp" in names:
             out |= {"audit_epsilon_est_gdp", "audit_mu_est_gdp"}
         return out
     if audit_canaries:
         return {"epsilon_lower_bound", "audit_correct", "audit_guesses", "audit_epsilon_lb",
-                "audit_epsilon_lb_steinke", "audit_claim", "audit_ratio"}
+                "audit_epsilon_lb_steinke", "audit_claim", "audit_ratio", "audit_delta"}
     return set()

@@ -21,6 +21,7 @@ A mechanism is a small class (see ``Mechanism``) around a dpmech trainer.
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -239,7 +240,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
             final["metrics"] = drop(final["metrics"], diagnostic_names(schema))
         if audit_settings(cfg) is not None:  # black-box canaries, or the engine's white-box ones
             final["metrics"].update(run_audit(mech, canaries, cfg, final["metrics"].get("delta", 0.0),
-                                              claim=final["metrics"].get("epsilon")))
+                                              claim=calibrated_epsilon(cfg, final["metrics"])))
         # time spent training and evaluating, without logging and checkpointing (all attempts)
         final["metrics"]["compute_seconds"] = meta.get("compute_seconds", 0.0) + time.perf_counter() - t0
         if tracker:
@@ -403,12 +404,37 @@ def audit_settings(cfg: CommonConfig):
     return settings(cfg)
 
 
+def calibrated_epsilon(cfg: CommonConfig, metrics: dict) -> float | None:
+    """The epsilon the trial was calibrated to, the claim its audit tests: the ledger's figure by
+    the trial's ``accountant`` (``epsilon_pld`` for ``accountant: pld``, whose RDP ``epsilon`` is
+    looser: 3.312 for a PLD target of 3.000), else ``epsilon``."""
+    if getattr(cfg, "accountant", "rdp") == "pld" and metrics.get("epsilon_pld") is not None:
+        return float(metrics["epsilon_pld"])
+    return metrics.get("epsilon")
+
+
+def gaussian_mu(trainer) -> float | None:
+    """mu of the white-box audit's mechanism where it is exactly Gaussian: the DP-SGD engine at
+    q = 1 (every example in every step: T Gaussian steps of sensitivity C, mu = sqrt(T) / sigma);
+    None otherwise (a subsampled Gaussian is not mu-GDP for any mu that its epsilon matches)."""
+    from dpmech.dpsgd.trainer import DPSGDTrainer
+
+    if not isinstance(trainer, DPSGDTrainer) or trainer.plan.sampling_rate != 1.0 or trainer.noise_multiplier <= 0:
+        return None
+    return math.sqrt(trainer.ledger.steps) / trainer.noise_multiplier
+
+
 def run_audit(mech, canaries, cfg: CommonConfig, delta: float, claim: float | None = None) -> dict[str, float]:
     """The audit's metrics (docs/metrics.md): ``audit_epsilon_lb`` and one per estimator, the
-    counts, ``audit_claim`` and ``audit_ratio``. White-box: the engine's canaries
-    (``mech.trainer.canaries``) scored from every noisy update. Black-box: the mechanism's
-    ``membership_scores`` (its own notion of fit, e.g. a GAN critic's score) or the negative loss
-    of its classifier; the flat ``audit_canaries`` keys also report ``epsilon_lower_bound``."""
+    counts, ``audit_beta`` and ``audit_delta`` (the configured level and the trial's delta: every
+    bound is recomputable from the logged counts), ``audit_claim`` (``claim``: the epsilon the
+    trial was calibrated to, :func:`calibrated_epsilon`) and ``audit_ratio``. White-box: the
+    engine's canaries (``mech.trainer.canaries``) scored from every update, ``audit_steps`` and
+    ``audit_engine_canaries`` (1: engine canaries, sampled and clipped by the engine; 0: inserted
+    Dirac canaries); ``audit_mu_claim`` where the mechanism is exactly Gaussian
+    (:func:`gaussian_mu`). Black-box: the mechanism's ``membership_scores`` (its own notion of
+    fit, e.g. a GAN critic's score) or the negative loss of its classifier; the flat
+    ``audit_canaries`` keys also report ``epsilon_lower_bound``."""
     from dpmech.privacy.audit.estimators import run_estimators
     from dpmech.privacy.audit.one_run import loss_scores
 
@@ -416,9 +442,18 @@ def run_audit(mech, canaries, cfg: CommonConfig, delta: float, claim: float | No
     opts = dict(estimators=s.estimator, beta=s.beta, delta=float(delta), guess_fraction=s.guess_fraction, claim=claim)
     if s.mode == "whitebox":
         wb = mech.trainer.canaries
-        out = run_estimators(wb.scores, wb.included, **opts)
+        out = run_estimators(wb.scores, wb.included, gaussian_mu=gaussian_mu(mech.trainer), **opts)
         out["audit_steps"] = float(wb.steps)
+        out["audit_engine_canaries"] = 1.0 if getattr(wb, "kind", "inserted") == "engine" else 0.0
         return out
+    if hasattr(mech, "membership_scores"):
+        scores = mech.membership_scores(canaries.x, canaries.y)
+    else:
+        scores = loss_scores(mech.model, canaries.x, canaries.y)
+    out = run_estimators(scores, canaries.included, **opts)
+    if not cfg.audit:   # the flat keys: today's metric name as well
+        out["epsilon_lower_bound"] = out["audit_epsilon_lb_steinke"]
+    return out
     if hasattr(mech, "membership_scores"):
         scores = mech.membership_scores(canaries.x, canaries.y)
     else:
