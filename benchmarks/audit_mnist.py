@@ -11,9 +11,9 @@ Sections:
   m = 1,000,000 seven of the eight cells are within 5% (m = 1,000 and 10,000 are kept to show
   the growth). ``mu_<mu>_m_1000000_draws``: ten seeded random runs at m = 10^6, each at its best
   k chosen after the draw (docs/audit.md). About 30 minutes on one core.
-* ``bug_zoo``: each planted DP-SGD bug of benchmarks/bug_zoo.py (the doubles tests/test_bug_zoo.py
-  uses) audited in one run, {claim, lb, refuted}, and ``bug_zoo.correct.refute_rate`` of the
-  correct engine over 40 seeded runs (a minute or two).
+* ``bug_zoo``: moved to its own benchmark (benchmarks/bug_zoo.py, results/bug_zoo.json; issue 32.5:
+  engine canaries, no double touching the auditor); the section left in this file is marked
+  superseded.
 * ``whitebox.eps_1`` / ``eps_3`` / ``eps_8``: the shipped Tramer & Boneh recipes on full MNIST
   (sweeps/dpsgd_mnist_tb*.yaml) trained once per seed with white-box canaries (50,000 isolated
   Dirac canaries on an audit block, 2,000 on the network's largest tensor), the one-run bounds at
@@ -174,6 +174,21 @@ class CanarySets:
     def __init__(self, isolated, real):
         self.isolated, self.real = isolated, real
 
+    @property
+    def members(self) -> int:
+        """Included canaries of both sets: the engine's rows N .. N + members - 1 (isolated first)."""
+        return self.isolated.members + self.real.members
+
+    @property
+    def member_ids(self):
+        return np.concatenate([self.isolated.member_ids, self.isolated.m + self.real.member_ids])
+
+    def set_batch(self, ids):
+        """The engine's draw (one sampling plan with the real examples), split between the sets."""
+        ids = np.asarray(ids, dtype=np.int64)
+        self.isolated.set_batch(ids[ids < self.isolated.m])
+        self.real.set_batch(ids[ids >= self.isolated.m] - self.isolated.m)
+
     def attach(self, params, **kw):
         self.real.attach(params[:-1], **kw)      # the network's parameters only
         self.isolated.attach(params, **kw)       # 'largest': the audit block
@@ -226,10 +241,10 @@ def whitebox_run(name: str, seed: int, epochs: int | None = None, train_size: in
         a = can.audit(delta=delta, estimators=ESTIMATORS, beta=BETA, guess_fraction=spec["guess_fraction"])
         a.update(guess_fraction=spec["guess_fraction"], canaries_in_batch_mean=float(can.sampled[can.included].mean()))
         out[key] = a
-    out["fdp_lb"] = out["isolated"]["audit_epsilon_lb_fdp"]
+    out["fdp_lb"] = out["isolated"]["audit_epsilon_gaussian_fdp"]     # the Gaussian-family figure (issue 32.6)
     out["steinke_lb"] = out["isolated"]["audit_epsilon_lb_steinke"]
     log(f"[{unit}] acc {out['acc_with_canaries']:.4f} claim {out['claim']:.3f} fdp_lb {out['fdp_lb']:.3f} "
-        f"steinke_lb {out['steinke_lb']:.3f} (real coordinates: fdp {out['real']['audit_epsilon_lb_fdp']:.3f}, "
+        f"steinke_lb {out['steinke_lb']:.3f} (real coordinates: fdp {out['real']['audit_epsilon_gaussian_fdp']:.3f}, "
         f"steinke {out['real']['audit_epsilon_lb_steinke']:.3f}) in {out['train_seconds']:.0f}s")
     return out, {"isolated_scores": iso.scores, "isolated_included": iso.included,
                  "real_scores": real.scores, "real_included": real.included}
@@ -283,55 +298,6 @@ def run_units(units: list[str], seeds: list[int], demo: bool) -> None:
 DEMO = {"epochs": 1, "train_size": 3000}
 
 
-# ------------------------------------------------------------------ the bug zoo
-def bug_zoo_section(runs: int = 40) -> dict:
-    """``bug_zoo.<bug>`` = {claim, lb, refuted, setting, statistics} from one run (seed 0) of each
-    planted bug (benchmarks/bug_zoo.py, the doubles tests/test_bug_zoo.py uses), and
-    ``bug_zoo.correct`` = the correct engine's refutations over ``runs`` seeded runs, spread over
-    the zoo's settings in proportion to the bugs that use each."""
-    from benchmarks import bug_zoo as zoo
-
-    out = {}
-    for bug in zoo.BUGS:
-        t0 = time.perf_counter()
-        r = zoo.run(bug, seed=0)
-        out[bug] = {"claim": r["claim"], "lb": r["lb"], "refuted": r["refuted"], "setting": r["setting"],
-                    "statistics": r["statistics"], "seconds": time.perf_counter() - t0}
-        log(f"bug_zoo {bug}: claim {r['claim']:.3f} lb {r['lb']:.3f} refuted {r['refuted']}")
-    t0 = time.perf_counter()
-    r = zoo.multi_run_audit("actual_batch_norm", runs=200)
-    c = zoo.multi_run_audit(None, runs=200)
-    out["actual_batch_norm_multi_run"] = dict(r, correct_engine_lb=c["lb"], correct_engine_refuted=c["refuted"],
-                                              seconds=time.perf_counter() - t0,
-                                              note="200 independent runs of Opacus #571's setting (2 examples), one "
-                                                   "canary each; not a one-run audit")
-    log(f"bug_zoo actual_batch_norm, 200 runs of 2 examples: claim {r['claim']:.3f} lb {r['lb']:.3f} "
-        f"(correct engine {c['lb']:.3f})")
-    settings = [zoo.BUGS[b][1] for b in zoo.BUGS]
-    plan = [(s, settings.count(s)) for s in zoo.SETTINGS]
-    total = sum(k for _, k in plan)
-    counts = {s: round(runs * k / total) for s, k in plan}
-    counts[plan[-1][0]] += runs - sum(counts.values())
-    by_setting, ratios, seed = {}, [], 1000
-    for s, n in counts.items():
-        refuted = 0
-        for _ in range(n):
-            r = zoo.run(None, seed=seed, setting=s)
-            seed += 1
-            refuted += r["refuted"]
-            ratios.append(r["lb"] / r["claim"])
-        by_setting[s] = {"runs": n, "refuted": refuted, "claim": r["claim"]}
-        log(f"bug_zoo correct engine, {s}: {refuted} of {n} refuted")
-    n_ref = sum(v["refuted"] for v in by_setting.values())
-    out["correct"] = {"runs": runs, "refuted": n_ref, "refute_rate": n_ref / runs, "by_setting": by_setting,
-                      "lb_over_claim_mean": statistics.fmean(ratios), "lb_over_claim_max": max(ratios),
-                      "seeds": f"1000-{999 + runs}"}
-    out["auditor"] = {"canaries": zoo.M, "guess_fraction": zoo.GUESS_FRACTION, "statistics": list(zoo.STATISTICS),
-                      "bound": "dpmech.privacy.audit.fdp.eps_delta_lower_bound at beta / 3 per statistic (rigorous)",
-                      "beta": zoo.BETA, "delta": zoo.DELTA, "settings": zoo.SETTINGS}
-    return out
-
-
 # ------------------------------------------------------------------ the auditor's ceiling on our setting
 def ceiling_section(draws: int = 3) -> dict:
     """``whitebox_ceiling.<unit>``: the same auditor (50,000 canaries, the LLR statistic, guess
@@ -361,7 +327,7 @@ def ceiling_section(draws: int = 3) -> dict:
                 scores += np.logaddexp(log_keep, log_q + (x - 0.5) / sigma ** 2)
             a = run_estimators(scores, included, estimators=ESTIMATORS, beta=BETA, delta=rec["delta"],
                                guess_fraction=ISOLATED["guess_fraction"])
-            each.append({"fdp_lb": a["audit_epsilon_lb_fdp"], "steinke_lb": a["audit_epsilon_lb_steinke"],
+            each.append({"fdp_lb": a["audit_epsilon_gaussian_fdp"], "steinke_lb": a["audit_epsilon_lb_steinke"],
                          "gdp_estimate": a["audit_epsilon_est_gdp"]})
         clt_mu = q * np.sqrt(steps * (np.exp(sigma ** -2) - 1))
         out[unit] = {k: statistics.fmean(d[k] for d in each) for k in ("fdp_lb", "steinke_lb", "gdp_estimate")}
@@ -518,30 +484,6 @@ def doc_tables(payload: dict) -> dict[str, str]:
     table = payload.get("gaussian_table")
     if table:
         blocks["audit_gaussian_table"] = gaussian_doc_table(table)
-    zoo = payload.get("bug_zoo")
-    if zoo:
-        rows = ["| bug | setting | claim | lb (95%) | refuted | statistic that sees it (right guesses) |",
-                "| --- | --- | --- | --- | --- | --- |"]
-        for bug, e in zoo.items():
-            if bug in ("correct", "auditor", "actual_batch_norm_multi_run"):
-                continue
-            best = max(e["statistics"].items(), key=lambda kv: kv[1]["lb"])
-            rows.append(f"| {bug} | {e['setting']} | {_f(e['claim'])} | {_f(e['lb'])} | {'yes' if e['refuted'] else 'no'} "
-                        f"| {best[0]} ({best[1]['correct']}/{best[1]['guesses']} right) |")
-        mr = zoo.get("actual_batch_norm_multi_run")
-        if mr:
-            rows.append(f"| actual_batch_norm, {mr['runs']} runs of 2 examples | one canary per run | {_f(mr['claim'])} "
-                        f"| {_f(mr['lb'])} | {'yes' if mr['refuted'] else 'no'} | batch size from the noise scale "
-                        f"({mr['correct']}/{mr['guesses']} right; correct engine {_f(mr['correct_engine_lb'])}) |")
-        c = zoo.get("correct")
-        if c:
-            rows.append("")
-            rows.append(f"Correct engine: refuted in {c['refuted']} of {c['runs']} seeded runs (refute rate "
-                        f"{c['refute_rate']:.3f}, target <= 0.05); " + ", ".join(
-                            f"{s} {v['refuted']}/{v['runs']}" for s, v in c["by_setting"].items())
-                        + f"; its bound is on average {c['lb_over_claim_mean']:.2f} x the claim "
-                          f"(at most {c['lb_over_claim_max']:.2f} x).")
-        blocks["audit_mnist_bug_zoo"] = "\n".join(rows)
     return blocks
 
 
@@ -559,8 +501,8 @@ def update_docs(path: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", default=None,
-                    choices=["gaussian_table", "bug_zoo", "whitebox", *EPSILONS, "plain_eps_8", "ceiling", "merge"],
-                    help="sections (gaussian_table, bug_zoo, whitebox = every epsilon) or white-box units "
+                    choices=["gaussian_table", "whitebox", *EPSILONS, "plain_eps_8", "ceiling", "merge"],
+                    help="sections (gaussian_table, whitebox = every epsilon) or white-box units "
                          "(eps_1, eps_3, eps_8); plain_eps_8: epsilon 8 without canaries (its acc_without); "
                          "ceiling: the auditor on the idealised mechanism of each "
                          "recipe; merge: rebuild whitebox from the run files only")
@@ -568,7 +510,6 @@ def main(argv=None) -> None:
     ap.add_argument("--demo", action="store_true",
                     help="white-box units on 3,000 images for 1 epoch (a minute), written under the results' demo key")
     ap.add_argument("--docs", action="store_true", help="only rewrite docs/audit.md's tables from the results file")
-    ap.add_argument("--zoo-runs", type=int, default=40, help="correct-engine runs of the bug zoo's refute rate")
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
     if args.docs:
@@ -576,12 +517,10 @@ def main(argv=None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    only = set(args.only or ["gaussian_table", "bug_zoo", "whitebox", "ceiling"])
+    only = set(args.only or ["gaussian_table", "whitebox", "ceiling"])
     sections = {}
     if "gaussian_table" in only and not args.demo:
         sections["gaussian_table"] = gaussian_table()
-    if "bug_zoo" in only and not args.demo:
-        sections["bug_zoo"] = bug_zoo_section(args.zoo_runs)
     if "ceiling" in only and not args.demo:
         sections["whitebox_ceiling"] = ceiling_section()
     units = [u for u in EPSILONS if u in only or "whitebox" in only] + (["plain_eps_8"] if "plain_eps_8" in only else [])
@@ -593,7 +532,7 @@ def main(argv=None) -> None:
             "isolated": dict(ISOLATED, where="an audit block (benchmarks/audit_block.py): a side x side linear "
                              "layer on zeros, coordinates no real example touches"),
             "real": dict(REAL, where="the network's largest tensor (classifier.1.weight, 16,384 coordinates)"),
-            "fdp_lb": "isolated canaries, audit_epsilon_lb_fdp (Mahloujifar et al.; a lower bound within the "
+            "fdp_lb": "isolated canaries, audit_epsilon_gaussian_fdp (Mahloujifar et al.; a lower bound within the "
                       "Gaussian family)", "steinke_lb": "isolated canaries, audit_epsilon_lb_steinke (rigorous)",
             "confidence": 1 - BETA, "clipping": "bk", "statistic": "llr"}
     if sections:

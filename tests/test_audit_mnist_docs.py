@@ -35,14 +35,3 @@ def test_whitebox_table_says_when_acc_without_was_not_measured():
     seeds = {"0": _seed(4.5, 3.2, 0.984, None)}
     table = bench.doc_tables({"whitebox": {"eps_8": _unit(4.5, 3.2, seeds, without=None)}})["audit_mnist_whitebox"]
     assert "not measured" in table
-
-
-def test_bug_zoo_table_names_the_statistic_and_the_refute_rate():
-    stats = {"llr": {"lb": 0.7, "guesses": 1000, "correct": 700}, "range": {"lb": 5.5, "guesses": 1000, "correct": 1000},
-             "position": {"lb": 0.1, "guesses": 1000, "correct": 550}}
-    zoo = {"reused_noise": {"claim": 1.67, "lb": 5.5, "refuted": True, "setting": "small_batch", "statistics": stats},
-           "correct": {"runs": 40, "refuted": 1, "refute_rate": 0.025, "by_setting": {"small_batch": {"runs": 40, "refuted": 1}},
-                       "lb_over_claim_mean": 0.5, "lb_over_claim_max": 1.1}}
-    table = bench.doc_tables({"bug_zoo": zoo})["audit_mnist_bug_zoo"]
-    assert "| reused_noise | small_batch | 1.67 | 5.50 | yes | range (1000/1000 right) |" in table
-    assert "refuted in 1 of 40 seeded runs (refute rate 0.025" in table
