@@ -138,3 +138,26 @@ def test_missing_trainer_dependencies_skip_with_the_reason():
     assert gpu_check.trainer_missing({"statsmodels": "z"}) is None
     res = gpu_check.check_dpsgd_step(None, {"dp-accounting": "y"})
     assert res == {"status": "skipped", "reason": gpu_check.trainer_missing({"dp-accounting": "y"})}
+
+
+def test_without_opacus_and_dp_accounting_the_trainer_parts_skip_and_the_rest_runs(tmp_path):
+    # the GPU machine lacks both unless their wheels are carried (docs/gpu.md): the check says so in one
+    # line, skips the parts that build a DPSGDTrainer with the reason, and runs the others
+    out = tmp_path / "gpu_check.json"
+    hide = ("import runpy, sys\n"
+            "for m in ('opacus', 'dp_accounting'):\n"
+            "    sys.modules[m] = None\n"
+            f"sys.argv = [{str(SCRIPT)!r}] + sys.argv[1:]\n"
+            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", hide, "--tiny", "--device", "cpu", "--out", str(out), "--sections",
+                           "correctness.dpsgd_step", "correctness.checkpoint", "real_run"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "missing: opacus" in proc.stdout and "dp-accounting" in proc.stdout.splitlines()[0]
+    report = json.loads(out.read_text())
+    assert set(report["missing"]) == {"opacus", "dp-accounting"}
+    parts = report["sections"]["correctness"]["parts"]
+    assert parts["dpsgd_step"]["status"] == "skipped" and "opacus and dp-accounting" in parts["dpsgd_step"]["reason"]
+    assert parts["checkpoint"]["status"] == "pass"                     # the PixelDP half needs neither
+    assert parts["checkpoint"]["dpsgd_trainer"]["status"] == "skipped"
+    assert report["sections"]["real_run"]["status"] == "skipped"
