@@ -40,7 +40,8 @@ _PUBLIC = {
     # privacy audit (Steinke, Nasr & Jagielski 2023; Mahloujifar et al. 2025)
     "audit": f"{_AUDIT}.one_run", "epsilon_lower_bound": f"{_AUDIT}.one_run", "p_value": f"{_AUDIT}.one_run",
     "make_canaries": f"{_AUDIT}.one_run", "loss_scores": f"{_AUDIT}.one_run", "audit_possible": f"{_AUDIT}.one_run",
-    "run_estimators": f"{_AUDIT}.estimators", "WhiteBoxCanaries": f"{_AUDIT}.whitebox", "audit_fdp": f"{_AUDIT}.fdp",
+    "run_estimators": f"{_AUDIT}.estimators", "WhiteBoxCanaries": f"{_AUDIT}.whitebox",
+    "EngineCanaries": f"{_AUDIT}.whitebox", "eps_delta_lower_bound": f"{_AUDIT}.fdp", "audit_fdp": f"{_AUDIT}.fdp",
     # accounting (dp-accounting)
     "PrivacyLedger": "dpmech.privacy.accounting",
     # data
