@@ -76,7 +76,8 @@ def cmd_validate(args) -> int:
         _err(str(exc))
         return EXIT_INVALID
     _warn_spec(spec)
-    print(f"{args.spec}: valid ({n} trials, trainables: {', '.join(t.name for t in spec.trainables)})")
+    count = "K candidate trials, drawn at run time" if spec.tuning_privacy is not None else f"{n} trials"
+    print(f"{args.spec}: valid ({count}, trainables: {', '.join(t.name for t in spec.trainables)})")
     return EXIT_OK
 
 
@@ -188,6 +189,12 @@ def _run(args, interrupts, sweep: dict) -> int:
         if args.name:  # names the sweep (its directory, the parent run) and the MLflow experiment
             overrides += [f"name={json.dumps(args.name)}", f"mlflow.experiment={json.dumps(args.name)}"]
         spec = load_spec(args.spec, overrides)
+        noise_key = None
+        if not args.dry_run:  # the sweep's secret: K, the candidates and every trial's noise (docs/threat_model.md)
+            from dpmech.privacy.secret import NoiseKey
+
+            noise_key = NoiseKey.fresh()
+            spec.bind_noise_key(noise_key)
         trials = expand_trials(spec) if spec.search.algorithm != "optuna" else []
         param_space = ray_param_space(spec)
     except SpecError as exc:
@@ -204,19 +211,28 @@ def _run(args, interrupts, sweep: dict) -> int:
         from sweeps.tuning import tuning_summary
 
         try:
-            tuning = tuning_summary(spec, len(trials))
+            tuning = tuning_summary(spec)
         except (SpecError, ValueError) as exc:
             _err(str(exc))
             return EXIT_INVALID
         tp = spec.tuning_privacy
-        print(f"tuning privacy: K = {len(trials)} trials drawn ({tp.distribution}, mean {tp.mean:g}); only the best "
-              f"by {spec.search.metric} is released; end-to-end epsilon {tuning['tuning_epsilon']:.4g} at delta "
-              f"{tuning['tuning_delta']:.3g} (one trial: at most {tuning['trial_epsilon_worst']:.4g})", flush=True)
-    print(f"sweep {spec.name}: {total} trials of {', '.join(t.name for t in spec.trainables)}; "
+        print(f"tuning privacy: K candidates drawn from the sweep's secret ({tp.distribution}, mean {tp.mean:g}; K "
+              f"is never logged: the guarantee assumes it unobserved); only the best by {spec.search.metric} is "
+              f"released; end-to-end epsilon {tuning['tuning_epsilon']:.4g} at delta {tuning['tuning_delta']:.3g} "
+              f"(one trial: at most {tuning['trial_epsilon_worst']:.4g})", flush=True)
+    count = "K candidate" if spec.tuning_privacy is not None else str(total)
+    print(f"sweep {spec.name}: {count} trials of {', '.join(t.name for t in spec.trainables)}; "
           f"storage {storage}; MLflow {tracking_uri} (experiment {spec.mlflow.experiment})", flush=True)
+    if spec.reproducible_noise:
+        from dpmech.privacy.secret import REPRODUCIBLE_LABEL
+
+        print(f"noise_source: seed (research mode): {REPRODUCIBLE_LABEL}", flush=True)
     if args.dry_run:
         from sweeps.runner import format_table
 
+        if spec.tuning_privacy is not None:
+            print("(K and the candidates are drawn from the sweep's secret when it starts; none is shown)")
+            return EXIT_OK
         shown = [{k: v for k, v in t.items() if not isinstance(v, (dict, list))} for t in trials]
         print(format_table(shown) if shown else "(trials are proposed by Optuna while the sweep runs)")
         return EXIT_OK
@@ -247,6 +263,9 @@ def _run(args, interrupts, sweep: dict) -> int:
     interrupts.begin_graceful()  # from the parent run on, a first signal stops the sweep through Tune
     run_name = unique_run_name(spec.name, storage)  # <name>-<timestamp>-<random>: its own directory
     exp_dir = f"{storage.rstrip('/')}/{run_name}"
+    from sweeps.secret_store import save_secret
+
+    secret_path = save_secret(exp_dir, run_name, noise_key)  # owner-only, before anything can draw from it
     info = start_parent_run(tracking_uri, spec.mlflow.experiment or spec.name, run_name, spec.raw,
                             spec_to_flat_params(spec))
     sweep.update(info=info, exp_dir=exp_dir, total=total)
@@ -256,6 +275,8 @@ def _run(args, interrupts, sweep: dict) -> int:
         save_state(Path(exp_dir), {"spec": spec.raw, "mlflow": info, "run_name": run_name, "total": total,
                                    "gpu": gpu})
     print(f"experiment {exp_dir}; MLflow parent run {info['parent_run_id']}", flush=True)
+    print(f"secret:   {secret_path} (the sweep's noise key: owner only, never logged; resume and reproduction need it)",
+          flush=True)
     _say_where(spec, info, exp_dir)
     if total == 0:  # tuning_privacy drew K = 0 (Poisson): nothing runs, nothing is released
         from sweeps.tracking import finish_parent_run, record_selection
@@ -265,7 +286,7 @@ def _run(args, interrupts, sweep: dict) -> int:
         print("K = 0 trials drawn: nothing ran and nothing is released (the guarantee holds trivially)")
         return EXIT_OK
     tuner = build_tuner(spec, storage=storage, run_name=run_name, mlflow_info=info, param_space=param_space,
-                        total=total, gpu=gpu)
+                        total=total, gpu=gpu, noise_key=noise_key)
     return _fit_and_finish(tuner, info, exp_dir, tracking_uri, spec, total, interrupts)
 
 
@@ -431,7 +452,7 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     if spec.tuning_privacy is not None:
         from sweeps.tuning import tuning_summary
 
-        tuning = tuning_summary(spec, len(rows))
+        tuning = tuning_summary(spec)
     released = record_selection(info, spec, rows, tuning)
     if released is not None:
         print(f"released: trial {released.get('trial_id', '?')} with {spec.search.metric} = "
@@ -474,21 +495,23 @@ def _resume(args, interrupts, sweep: dict) -> int:
     from ray import tune
 
     from sweeps.runner import load_state, ray_init
+    from sweeps.secret_store import load_secret
     from sweeps.spec import SpecError, validate_spec
-    from trainables.dispatch import dispatch
 
     exp_dir = Path(args.experiment_path).expanduser().resolve()
     try:
         state = load_state(exp_dir)
         spec = validate_spec(state["spec"])
-    except (FileNotFoundError, SpecError) as exc:
+        noise_key = None if spec.reproducible_noise else load_secret(str(exp_dir), state.get("run_name") or exp_dir.name)
+        spec.bind_noise_key(noise_key)
+    except (FileNotFoundError, SpecError, ValueError) as exc:
         _err(str(exc))
         return EXIT_INVALID
     if not _tracking_ok(state["mlflow"]["tracking_uri"]):
         return EXIT_INVALID
     ray_init(spec)
     interrupts.install()  # ray.init replaced the SIGTERM handler with one that exits at once
-    from sweeps.runner import build_tuner, trial_resources
+    from sweeps.runner import build_tuner, sweep_trainable
     from sweeps.spec import ray_param_space
     from sweeps.tracking import reopen_parent_run
 
@@ -498,19 +521,38 @@ def _resume(args, interrupts, sweep: dict) -> int:
     info = state["mlflow"]
     total = state.get("total")
     if tune.Tuner.can_restore(str(exp_dir)):
-        trainable = tune.with_resources(dispatch, trial_resources(spec, gpu))
+        trainable = sweep_trainable(spec, state.get("gpu", gpu), noise_key)
         # Ray restores the experiment's callbacks (progress lines, checkpoint clean-up) with it
         tuner = tune.Tuner.restore(str(exp_dir), trainable=trainable, resume_unfinished=True, restart_errored=True)
     else:  # interrupted before Tune saved any experiment state: the trials start under the same parent run
         tuner = build_tuner(spec, storage=str(exp_dir.parent), run_name=state.get("run_name") or exp_dir.name,
                             mlflow_info=info, param_space=ray_param_space(spec), total=total,
-                            gpu=state.get("gpu", gpu))
+                            gpu=state.get("gpu", gpu), noise_key=noise_key)
     interrupts.begin_graceful()
     reopen_parent_run(info)
     sweep.update(info=info, exp_dir=str(exp_dir), total=total)
     print(f"resuming {exp_dir}; MLflow parent run {info['parent_run_id']}", flush=True)
     _say_where(spec, info, str(exp_dir))
     return _fit_and_finish(tuner, info, str(exp_dir), info["tracking_uri"], spec, total, interrupts)
+
+
+def cmd_release(args) -> int:
+    """``dpsweep release EXPERIMENT --out DIR`` (sweeps.release): exit 2 with one line when the sweep
+    cannot be released under its guarantee, nothing written."""
+    from sweeps.release import ReleaseRefused, make_release
+    from sweeps.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(args.tracking_uri, None)
+    if not _tracking_ok(uri):
+        return EXIT_INVALID
+    try:
+        out = make_release(args.experiment, args.out, uri, args.run)
+    except ReleaseRefused as exc:
+        _err(str(exc))
+        return EXIT_INVALID
+    print(f"release bundle: {out} (model/weights.pt, hyperparameters.json, guarantee.json, THREAT_MODEL.md, "
+          "MANIFEST.json); publish this folder and nothing else of the sweep")
+    return EXIT_OK
 
 
 def cmd_report(args) -> int:
@@ -578,6 +620,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a sweep's parent run id (default: the latest sweep); repeat it, or give A,B, to compare "
                           "several sweeps in one report")
     rep.set_defaults(fn=cmd_report)
+
+    rel = sub.add_parser("release", help="the bundle a tuning-private sweep's guarantee covers, and nothing else")
+    rel.add_argument("experiment", help="MLflow experiment name")
+    rel.add_argument("--out", required=True, help="folder to write (new or empty)")
+    rel.add_argument("--tracking-uri", default=None)
+    rel.add_argument("--run", default=None, metavar="ID", help="the sweep's parent run id (default: the latest sweep)")
+    rel.set_defaults(fn=cmd_release)
     return ap
 
 

@@ -224,12 +224,19 @@ def callbacks(spec, total: int | None) -> list:
     return out
 
 
+def sweep_trainable(spec, gpu: float | None, noise_key):
+    """``dispatch`` with the sweep's secret (``tune.with_parameters``: Ray's object store, never a
+    config, a param or a result; docs/threat_model.md) and the trial's resources."""
+    fn = dispatch if noise_key is None else tune.with_parameters(dispatch, noise_key=noise_key)
+    return tune.with_resources(fn, trial_resources(spec, gpu))
+
+
 def build_tuner(spec, *, storage: str, run_name: str, mlflow_info: dict, param_space: dict, total: int | None,
-                gpu: float | None = None):
+                gpu: float | None = None, noise_key=None):
     # per-epoch results carry train_loss/test_acc only; the final metrics a searcher optimises
     # (acc_clean, epsilon, cert_acc_*) arrive with the last result of each trial
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-    trainable = tune.with_resources(dispatch, trial_resources(spec, gpu))
+    trainable = sweep_trainable(spec, gpu, noise_key)
     space = dict(param_space)
     space["_mlflow"] = mlflow_info
     tune_config = tune.TuneConfig(

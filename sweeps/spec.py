@@ -211,6 +211,21 @@ class SweepSpec(_Section):
     _spaces: tuple[TrainableSpace, ...] | None = PrivateAttr(None)
     _trials: list[dict] | None = PrivateAttr(None)
     _warnings: list[str] = PrivateAttr(default_factory=list)
+    # the sweep's secret (dpmech.privacy.secret.NoiseKey) once ``dpsweep run`` made it: a tuning-private
+    # sweep draws K and its candidates from it (docs/threat_model.md)
+    _noise_key: Any = PrivateAttr(None)
+
+    def bind_noise_key(self, key) -> None:
+        """Draw the sweep's random choices that a guarantee rests on (tuning_privacy's K and its
+        candidates) from ``key``, the sweep's secret; the trial list is expanded again."""
+        self._noise_key = key
+        if self.tuning_privacy is not None:
+            self._trials = None
+
+    @property
+    def reproducible_noise(self) -> bool:
+        """True when the spec asks for the research mode (``noise_source: seed`` in common)."""
+        return (self.common or {}).get("noise_source") == "seed"
 
     @model_validator(mode="before")
     @classmethod
@@ -445,12 +460,14 @@ def _build_spaces(spec: SweepSpec) -> tuple[TrainableSpace, ...]:
 def _trials(spec: SweepSpec) -> list[dict]:
     """The cached expansion of a grid/random spec (computed once; validated specs are frozen)."""
     if spec._trials is None:
-        n = spec.search.num_samples
+        n, seed = spec.search.num_samples, spec.search.seed
         if spec.tuning_privacy is not None:
-            from sweeps.tuning import draw_k
+            from sweeps.tuning import draw_k, draws_seed
 
-            n = draw_k(spec)  # K trials, each drawn independently from the spec's distributions
-        spec._trials = expand(spec.spaces, n, spec.search.seed)
+            # K trials, each drawn independently from the spec's distributions, from the sweep's secret
+            # (before ``dpsweep run`` binds it, e.g. at validate: from a throw-away one)
+            n, seed = draw_k(spec), draws_seed(spec)
+        spec._trials = expand(spec.spaces, n, seed)
     return spec._trials
 
 

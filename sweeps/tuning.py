@@ -3,8 +3,10 @@
 Under ``tuning_privacy: {distribution, mean, shape, delta}`` a sweep is Papernot & Steinke's
 (2022) procedure, and dpsweep enforces every condition their theorem needs:
 
-* the number of trials K is drawn from the distribution (seeded by ``search.seed``), before
-  anything runs, independently of the data;
+* the number of trials K is drawn from the distribution, before anything runs, independently of
+  the data, from the sweep's secret (docs/threat_model.md): the bound assumes K unobserved, so K is
+  never logged, printed for publication or carried by the release bundle; the candidates'
+  hyperparameters are drawn from the secret too;
 * each trial draws its hyperparameters independently from the spec's distributions: random
   search over one trainable, no grid dimension (a grid is not a distribution), no adaptive
   searcher (Optuna) and no early stopping (ASHA): those make a trial depend on the others'
@@ -36,13 +38,33 @@ MAX_PRIVACY_CONFIGS = 2000
 K_STREAM = 0x7D9  # the stream of search.seed that draws K (trial draws use the plain seed)
 
 
+def _sweep_key(spec: "SweepSpec"):
+    """The key K and the candidates are drawn from: the sweep's secret once ``dpsweep run`` bound it
+    (``SweepSpec.bind_noise_key``), else a throw-away one (validation, ``--dry-run``); the research
+    mode (``common.noise_source: seed``) draws from ``search.seed`` as earlier releases did."""
+    from dpmech.privacy.secret import NoiseKey
+
+    if spec.reproducible_noise:
+        return NoiseKey.reproducible(spec.search.seed)
+    if spec._noise_key is None:
+        spec._noise_key = NoiseKey.fresh()
+    return spec._noise_key
+
+
 def draw_k(spec: "SweepSpec") -> int:
-    """The number of trials of a tuning-private sweep: a fixed function of ``search.seed``."""
+    """The number of trials K of a tuning-private sweep, from the sweep's secret: Papernot & Steinke's
+    bound holds with K random and unobserved (docs/tuning_privacy.md), so nothing published carries it."""
     from dpmech.privacy.tuning import draw_num_trials
 
     tp = spec.tuning_privacy
-    rng = np.random.default_rng([spec.search.seed, K_STREAM])
+    rng = _sweep_key(spec).numpy_rng("tuning.k", [spec.search.seed, K_STREAM])
     return draw_num_trials(tp.distribution, tp.mean, tp.shape, rng=rng)
+
+
+def draws_seed(spec: "SweepSpec") -> int:
+    """The seed of the candidates' hyperparameter draws: from the sweep's secret (research mode:
+    ``search.seed``)."""
+    return _sweep_key(spec).entropy("tuning.draws", spec.search.seed)
 
 
 def check_tuning_spec(spec: "SweepSpec") -> None:
@@ -138,9 +160,10 @@ def privacy_configs(spec: "SweepSpec") -> list[dict]:
             for combo in combos]
 
 
-def tuning_summary(spec: "SweepSpec", k: int) -> dict[str, float]:
-    """The numbers the parent run records: K, the worst per-trial epsilon and the end-to-end
-    epsilon at ``tuning_privacy.delta`` (default: the largest per-trial delta in the space)."""
+def tuning_summary(spec: "SweepSpec") -> dict[str, float]:
+    """The numbers the parent run records: E[K], the worst per-trial epsilon and the end-to-end
+    epsilon at ``tuning_privacy.delta`` (default: the largest per-trial delta in the space). Not K:
+    the guarantee assumes it unobserved (docs/tuning_privacy.md)."""
     from dpmech.privacy.accounting import rdp_epsilon
     from dpmech.privacy.tuning import tuning_epsilon, worst_case_rdp
 
@@ -149,7 +172,6 @@ def tuning_summary(spec: "SweepSpec", k: int) -> dict[str, float]:
     delta = tuning_delta(spec, configs)
     worst = worst_case_rdp(_trial_events(spec, configs))
     return {
-        "tuning_trials": float(k),
         "tuning_mean": float(tp.mean),
         "tuning_delta": float(delta),
         "trial_epsilon_worst": rdp_epsilon(worst, delta),

@@ -32,7 +32,7 @@ def test_the_end_to_end_epsilon_lands_on_the_target(distribution, mean, target):
         {"tuning_privacy": {"distribution": distribution, "mean": mean, "delta": 1e-5, "target_epsilon": target,
                             **({"shape": 0.5} if distribution == "truncated_negative_binomial" else {})}}))
     e = spec.trainables[0].search["epsilon"]
-    summary = tuning_summary(spec, 1)
+    summary = tuning_summary(spec)
     assert summary["trial_epsilon_calibrated"] == e and summary["tuning_target_epsilon"] == target
     assert target * (1 - 2e-3) <= summary["tuning_epsilon"] <= target
     # dp-accounting's repeat-and-select event of the calibrated trial agrees (independent path)

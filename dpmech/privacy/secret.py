@@ -117,7 +117,13 @@ class NoiseKey:
         """A numpy Generator for stream ``name`` (``public``: the research mode's seed or seed list)."""
         if self._key is None:
             return np.random.default_rng(public)
-        return np.random.default_rng(int.from_bytes(self._mac("stream:" + name), "big"))
+        return np.random.default_rng(self.entropy(name, 0))
+
+    def entropy(self, name: str, public: int) -> int:
+        """A 256-bit integer for stream ``name`` (a numpy seed; ``public`` in the research mode)."""
+        if self._key is None:
+            return int(public)
+        return int.from_bytes(self._mac("stream:" + name), "big")
 
     def label(self) -> str:
         """What an epsilon computed with this key's draws means ("" when it is a guarantee)."""

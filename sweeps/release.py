@@ -1,0 +1,186 @@
+"""``dpsweep release EXPERIMENT --out DIR``: exactly what a tuning-private sweep's guarantee covers
+(issue 32.2; docs/threat_model.md, docs/tuning_privacy.md).
+
+Papernot & Steinke's (2022) bound covers releasing the best of K candidates with K random and
+unobserved. The bundle holds that and nothing else:
+
+* ``model/weights.pt``: the released candidate's weights;
+* ``hyperparameters.json``: its configuration, without seeds;
+* ``guarantee.json``: the end-to-end (epsilon, delta), what it protects and the accounting that
+  produced it (the tuning distribution, the worst per-candidate epsilon, the accountant), and the
+  released candidate's selection score;
+* ``THREAT_MODEL.md``: who must not learn what, in one paragraph;
+* ``MANIFEST.json``: each file with its SHA-256, and what was left out on purpose (K, the other
+  candidates, the non-private diagnostics, the seeds, the sweep's secret, the checkpoints).
+
+It refuses (``ReleaseRefused``: one line, exit 2) a sweep whose selection no guarantee covers
+(no ``tuning_privacy``), one that released nothing, one whose released candidate drew its noise
+from the public seed (``noise_source: seed``) or logged non-private diagnostics. The bundle is
+written to a temporary folder beside ``DIR`` and renamed into place: never half-written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import yaml
+
+THREAT_MODEL = (
+    "The guarantee is (epsilon, delta)-differential privacy of this bundle for the {protects}: the addition or "
+    "removal of one of them changes the bundle's distribution by at most (epsilon, delta), against an adversary who knows everything else: the code, the search "
+    "space, the public seeds, every other training example, and this bundle. It assumes the adversary does not learn "
+    "the sweep's secret key (from which the candidates' sampling and noise, the number of candidates K and their "
+    "hyperparameters were drawn), K, the other candidates, or any metric computed on the training data without noise; "
+    "those stay with the sweep's owner. Not covered: side channels (timing, memory), floating-point attacks on the "
+    "noise samplers, and anything published besides this bundle (a second release composes with this one).\n")
+
+LEFT_OUT = {
+    "K": "the number of candidates: the bound assumes it random and unobserved (revealing it can raise epsilon many fold)",
+    "other candidates": "their models, hyperparameters and scores: only the best one is covered",
+    "non-private diagnostics": "statistics of the training data computed without noise (docs/metrics.md)",
+    "seeds": "seed and data_seed: public and data-independent, but not needed to use the model",
+    "sweep secret": "the key the noise was drawn from: whoever holds it can replay the noise",
+    "checkpoints": "they hold the generators' states (the noise) and the optimizer's",
+}
+
+DROPPED_KEYS = {"seed", "data_seed", "repeat", "_mlflow", "trainable", "noise_source"}
+
+
+class ReleaseRefused(ValueError):
+    """The sweep cannot be released under its guarantee (one line: what and why)."""
+
+
+def _parent_run(client, experiment: str, run_id: str | None):
+    if run_id:
+        run = client.get_run(run_id)
+        if run.data.tags.get("dpsweep.kind") != "sweep":
+            raise ReleaseRefused(f"--run {run_id}: not a dpsweep sweep's parent run")
+        return run
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise ReleaseRefused(f"experiment {experiment!r}: not found in the tracking store")
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.`dpsweep.kind` = 'sweep'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    if not runs:
+        raise ReleaseRefused(f"experiment {experiment!r}: no dpsweep sweep in it")
+    return runs[0]
+
+
+def _spec_of(client, parent) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = client.download_artifacts(parent.info.run_id, "spec.yaml", tmp)
+        return yaml.safe_load(Path(path).read_text())
+
+
+def _value(text: str):
+    """A logged param back to its value (MLflow stores strings): JSON, else YAML, else a number, else the text."""
+    if text == "None":   # MLflow writes a None param as its str()
+        return None
+    for parse in (json.loads, yaml.safe_load, float):
+        try:
+            value = parse(text)
+        except (ValueError, yaml.YAMLError):
+            continue
+        if not isinstance(value, str):
+            return value
+    return text
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_releasable(client, parent) -> tuple[dict, object]:
+    """(spec, released child run), or ReleaseRefused naming what stops the release."""
+    from trainables.diagnostics import FINAL_DIAGNOSTICS
+
+    name = parent.data.tags.get("mlflow.runName", parent.info.run_id)
+    spec = _spec_of(client, parent)
+    if not spec.get("tuning_privacy"):
+        raise ReleaseRefused(f"sweep {name}: no tuning_privacy, so choosing its best trial is covered by no guarantee; "
+                             "there is nothing to release (docs/tuning_privacy.md)")
+    if parent.info.status != "FINISHED":
+        raise ReleaseRefused(f"sweep {name}: its parent run is {parent.info.status}, not FINISHED (resume it first)")
+    child_id = parent.data.tags.get("dpsweep.released_run_id")
+    if not child_id:
+        raise ReleaseRefused(f"sweep {name}: no candidate was released (none finished, or none was drawn)")
+    child = client.get_run(child_id)
+    noise = child.data.tags.get("dpsweep.noise", "")
+    if noise != "secret":
+        raise ReleaseRefused(f"sweep {name}: the released candidate drew its noise from the public seed "
+                             f"(noise_source: seed, {noise or 'untagged'}): its epsilon is no guarantee for a release")
+    logged = child.data.tags.get("dpsweep.diagnostics", "none")
+    leaked = sorted(set(child.data.metrics) & {"train_loss", *FINAL_DIAGNOSTICS})
+    if logged != "none" or leaked:
+        what = ", ".join(leaked) or logged
+        raise ReleaseRefused(f"sweep {name}: the released candidate logged non-private diagnostics ({what}), computed on "
+                             "the training data without noise; rerun with common.diagnostics: false")
+    return spec, child
+
+
+def make_release(experiment: str, out: str | Path, tracking_uri: str, run_id: str | None = None) -> Path:
+    """Write the release bundle of ``experiment``'s latest sweep (or parent ``run_id``) to ``out``."""
+    from mlflow.tracking import MlflowClient
+
+    from trainables.registry import get_trainable
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ReleaseRefused(f"--out {out}: exists and is not an empty folder")
+    client = MlflowClient(tracking_uri)
+    parent = _parent_run(client, experiment, run_id)
+    spec, child = check_releasable(client, parent)
+    pm = parent.data.metrics
+    trainable = child.data.params.get("trainable", "")
+    entry = get_trainable(trainable) if trainable else None
+    metric = (spec.get("search") or {}).get("metric")
+    tp = spec["tuning_privacy"]
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / "model").mkdir()
+        try:
+            path = client.download_artifacts(child.info.run_id, "model/weights.pt", str(tmp / "model"))
+        except Exception:  # noqa: BLE001
+            raise ReleaseRefused(f"released run {child.info.run_id}: has no model/weights.pt artifact") from None
+        if Path(path) != tmp / "model" / "weights.pt":
+            shutil.move(path, tmp / "model" / "weights.pt")
+        hyper = {"trainable": trainable,
+                 **{k: _value(v) for k, v in sorted(child.data.params.items())
+                    if k not in DROPPED_KEYS and not k.startswith(("audit", "source_"))}}
+        (tmp / "hyperparameters.json").write_text(json.dumps(hyper, indent=2, default=str) + "\n")
+        guarantee = {
+            "epsilon": pm.get("tuning_epsilon"),
+            "delta": pm.get("tuning_delta"),
+            "protects": entry.epsilon_protects if entry else "training examples",
+            "accounting": {
+                "method": "private hyperparameter selection (Papernot & Steinke 2022, Thm. 2): the best of K "
+                          "candidates, K random and unobserved; per-candidate RDP curves, worst case over the search "
+                          "space (dp-accounting)",
+                "distribution": tp.get("distribution"), "mean": tp.get("mean"), "shape": tp.get("shape"),
+                "candidate_epsilon_worst": pm.get("trial_epsilon_worst"),
+                "candidate_delta": _value(child.data.params.get("delta", "null")),
+                **({"target_epsilon": tp["target_epsilon"]} if tp.get("target_epsilon") is not None else {}),
+            },
+            "selection": {"metric": metric, "mode": (spec.get("search") or {}).get("mode"),
+                          "score": child.data.metrics.get(metric) if metric else None},
+        }
+        (tmp / "guarantee.json").write_text(json.dumps(guarantee, indent=2) + "\n")
+        (tmp / "THREAT_MODEL.md").write_text("# Threat model\n\n" + THREAT_MODEL.format(protects=guarantee["protects"]))
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        manifest = {"files": {str(p.relative_to(tmp)): _sha256(p) for p in files}, "left_out": LEFT_OUT}
+        (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
