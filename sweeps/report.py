@@ -256,12 +256,15 @@ def _privacy_section(sweep: Sweep) -> list[str]:
         rel = (f" The released trial is `{released.iloc[0]['run']}`" if len(released) else "")
         score = [f"{k[len('released_'):]} = {v:.4g}" for k, v in m.items() if k.startswith("released_")]
         lines += ["", f"**Private hyperparameter selection** ({tags.get('dpsweep.selection_privacy', '')}). "
-                  f"K = {int(m.get('tuning_trials', 0))} trials were drawn; each trial's guarantee is at most "
+                  "K candidates were drawn from the "
+                  "sweep's secret (K is for the owner only: the bound assumes it unobserved); each candidate's "
+                  "guarantee is at most "
                   f"epsilon {m.get('trial_epsilon_worst', math.nan):.4g} (worst case over the search space) and "
                   f"releasing only the best costs **epsilon {m['tuning_epsilon']:.4g} at delta "
                   f"{m.get('tuning_delta', math.nan):.3g} end to end** (Papernot & Steinke 2022, computed with "
                   f"dp-accounting).{rel}{' with ' + ', '.join(score) if score else ''}. The other trials are "
-                  "not covered by that guarantee and must not be published."]
+                  "not covered by that guarantee and must not be published: this report is for the sweep's owner; "
+                  "what may be published is `dpsweep release` (docs/tuning_privacy.md)."]
     else:
         lines += ["", "**The selection among trials is not covered by any privacy guarantee.** Choosing the best "
                   f"of these {len(trials)} trials, trained on the same private data, uses that data again: the "
