@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dpmech import _validate as v
+from dpmech.privacy.secret import NoiseKey
 from dpmech.label_dp.rr_prior import denoise_rr_prior, rr_with_prior, uniform_prior
 
 METHODS = ("none", "laplace", "rr", "lp1st", "lp2st", "alibi")
@@ -195,7 +196,7 @@ def train_label_dp(method: str, x: torch.Tensor, y: torch.Tensor, epsilon: float
                    cfg: RecipeConfig, num_classes: int = 10, task: str = "classification",
                    stage1_fraction: float = 0.4, stage1_epochs: int | None = None,
                    stage2_init: str = "stage1", prior_mode: str = "denoised", alibi_prior: str = "uniform",
-                   log=None) -> MSTResult:
+                   log=None, noise_key=None) -> MSTResult:
     """Release the labels of (x, y) with ``method`` at ``epsilon`` and train with the recipe.
 
     method: none (true labels), laplace / rr (the seed's release, ``dpmech.label_dp.release.release_labels``,
@@ -229,7 +230,8 @@ def train_label_dp(method: str, x: torch.Tensor, y: torch.Tensor, epsilon: float
                 log(f"    {tag} epoch {e + 1}/{c.epochs} loss {loss:.4f} ({time.perf_counter() - t0:.0f} s)")
         return model
 
-    lab_gen = torch.Generator().manual_seed(_seed(seed, 2 if method.startswith("lp") else 6))
+    # the release's randomness from the secret key (a fresh one by default; docs/threat_model.md)
+    lab_gen = NoiseKey.resolve(noise_key).generator("label_dp.recipe", _seed(seed, 2 if method.startswith("lp") else 6))
     if method in ("none", "laplace", "rr"):
         rel = release_labels(y, num_classes=num_classes, task=task, mechanism=method,
                              epsilon=None if method == "none" else epsilon, generator=lab_gen)
