@@ -65,6 +65,21 @@ def test_claimed_vs_audited_table_and_bonferroni(tmp_path):
     assert (tmp_path / "claimed_vs_audited.pdf").stat().st_size > 0
 
 
+def test_the_report_names_the_canary_kind_and_keeps_the_gaussian_figure_apart():
+    """Issue 32.5/32.6: a white-box row says which canaries ran; the Gaussian-family epsilon has
+    its own column and never decides "consistent"; an exactly Gaussian trial's mu is compared."""
+    engine = {**_trial("engine", 1.0, 1000, 100, 99, ["fdp", "steinke"]), "audit_engine_canaries": 1.0}
+    inserted = {**_trial("inserted", 1.0, 1000, 100, 60, ["fdp", "steinke"]), "audit_engine_canaries": 0.0,
+                "audit_mu_claim": 0.5}
+    rows = {r["run"]: r for r in audit_rows(pd.DataFrame([engine, inserted]))}
+    assert rows["engine"]["mode"] == "whitebox, engine canaries"
+    assert rows["inserted"]["mode"] == "whitebox, inserted canaries"
+    g = rows["engine"]["Gaussian-family epsilon (not a bound)"]
+    assert g == engine["audit_epsilon_gaussian_fdp"] and g > rows["engine"]["audited lower bound"]
+    assert rows["engine"]["consistent"] == ("yes" if engine["audit_epsilon_lb_fdp"] <= 1.0 else "**NO**")
+    assert "mu lb / Gaussian claim" in rows["inserted"] and "mu lb / Gaussian claim" not in rows["engine"]
+
+
 def test_no_audit_no_section(tmp_path):
     trials = pd.DataFrame([{"run": "a", "trainable": "dpsgd", "epsilon": 1.0}])
     assert audit_rows(trials) == []
