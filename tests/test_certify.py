@@ -232,6 +232,54 @@ def test_certified_size_never_exceeds_the_true_radius_of_a_linear_classifier():
     assert np.any(bad.certified_size[agree] > radius[agree])
 
 
+def test_l1_certified_size_is_the_laplace_formula():
+    """Laplace noise of scale b, delta' = 0: Prop. 1 holds for eps' < ln(lb / ub) / 2, and the noise is
+    eps'-DP against l1 attacks of size L' = b eps' / Delta (Lecuyer et al. 2018, Sec. 3.2)."""
+    size = certified_size(np.array([0.9, 0.4]), np.array([0.05, 0.5]), noise_scale=0.3, sensitivity=1.0, norm="l1")
+    # 0.3 * ln(18) / 2 = 0.3 * 2.8903718 / 2 = 0.4335558; lb < ub: nothing certified
+    np.testing.assert_allclose(size, [0.4335558, 0.0], rtol=1e-6)
+    half = certified_size(np.array([0.9]), np.array([0.05]), noise_scale=0.3, sensitivity=0.5, norm="l1")
+    np.testing.assert_allclose(half, [0.8671115], rtol=1e-6)
+
+
+class LinearLaplace(LinearNoisy):
+    """The two-class linear classifier with Laplace noise on its input (PixelDP, l1 attacks)."""
+
+    norm = "l1"
+
+    def __init__(self, w: torch.Tensor, b: float, scale: float):
+        super().__init__(w, b, scale)
+        self.noise = NoiseLayer(scale, "l1", seed=6)
+
+
+def test_l1_certified_size_never_exceeds_the_true_l1_radius():
+    """With w = e_1 the expected-argmax classifier changes at w.x + b = 0, at l1 distance
+    |w.x + b| / ||w||_inf from x. No certified l1 size exceeds it (except where the bounds fail);
+    a sensitivity claimed at half the truth (sizes doubled, the control) exceeds it on most points."""
+    from scipy.stats import binom
+
+    d = 6
+    w = torch.zeros(d)
+    w[0] = 1.0
+    model = LinearLaplace(w, 0.05, scale=0.2)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.rand(300, d, generator=gen) * 2 - 1
+    margin = x @ w + 0.05
+    expected = (margin <= 0).long()
+    radius = margin.abs().numpy() / w.abs().max().item()
+    alpha = 0.05
+
+    def violations(**kw):
+        res = certify(model, x, expected, n=2000, alpha=alpha, bounds="argmax", **kw)
+        certified = res.certified_size > 0
+        assert certified.mean() > 0.5
+        return int((certified & ((res.prediction != expected.numpy()) | (res.certified_size > radius))).sum())
+
+    allowed = binom.ppf(0.999, len(x), alpha)
+    assert violations() <= allowed
+    assert violations(sensitivity=0.5) > 3 * allowed
+
+
 def test_certified_accuracy_definition():
     gen = torch.Generator().manual_seed(1)
     model = LinearNoisy(torch.ones(4), 0.0, sigma=0.2)
