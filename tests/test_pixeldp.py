@@ -40,6 +40,27 @@ def test_bounded_conv_sensitivity_at_most_one_for_any_weights(norm):
     assert exact_sensitivity(raw, (1, 12, 12), norm) > 1.0
 
 
+@pytest.mark.parametrize("norm", ["l2", "l1"])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_bounded_conv_bound_is_nearly_tight_for_a_constant_kernel(norm, stride):
+    """A constant kernel on a large image is where the construction bound (Sec. 3.3:
+    ||W_flat||_2 ceil(k/s), or the largest per-channel l1 mass) is nearly attained: the measured
+    sensitivity stays <= 1 and comes within a few percent of it, so a bound missing a factor
+    (an undercounted patch overlap) shows up as a sensitivity above 1."""
+    conv = BoundedConv2d(1, 1, 3, stride=stride, padding=1, bias=False, norm=norm)
+    with torch.no_grad():
+        conv.weight.fill_(1.0)
+    s = exact_sensitivity(conv, (1, 24, 24), norm)
+    assert s <= 1.0 + 1e-6  # the float32 kernel divided by its bound: 1 up to float32 rounding
+    assert s > (0.95 if stride == 1 else 0.4)
+    # negative control: the same kernel normalised by the bound without its overlap factor exceeds 1
+    loose = torch.nn.Conv2d(1, 1, 3, stride=stride, padding=1, bias=False)
+    with torch.no_grad():
+        loose.weight.copy_(conv.weight / (conv.norm_bound() / math.sqrt(conv.overlap_factor())))
+    if norm == "l2" and stride == 1:
+        assert exact_sensitivity(loose, (1, 24, 24), norm) > 1.5
+
+
 def _top_singular_pair(layer, input_shape, iters: int = 100):
     """The top right singular vector v of the linear map x -> layer(x) - layer(0) and its gain
     ||layer(v) - layer(0)|| / ||v||, by power iteration on the layer's own forward pass and its
