@@ -871,13 +871,14 @@ def section_speed(ctx: dict) -> dict:
     if "dpsgd_step" in parts:
         from dpmech.privacy import clipping
 
-        repeats = clipping.MEASURE_REPEATS
-        if tiny:            # the measured choice times each route once (its code path, at a fraction of the cost)
-            clipping.MEASURE_REPEATS = 1
+        repeats, compile_min = clipping.MEASURE_REPEATS, clipping.COMPILE_MIN
+        if tiny:   # the measured choice times each route once and never compiles (torch.compile took 10 to 47 s
+            clipping.MEASURE_REPEATS = 1            # for one layer of tb_cnn at batch 8 on the 2-core CPU)
+            clipping.COMPILE_MIN = 1 << 62
         try:
             run_part(out, "dpsgd_step", speed_dpsgd, device, tiny, budget, max(budget.left(), 0.0), ctx["floor"])
         finally:
-            clipping.MEASURE_REPEATS = repeats
+            clipping.MEASURE_REPEATS, clipping.COMPILE_MIN = repeats, compile_min
     return out
 
 
