@@ -450,9 +450,21 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     rows, summary, failed = summarize(results, extra_metrics=[spec.search.metric] if spec.search.metric else [])
     tuning = None
     if spec.tuning_privacy is not None:
-        from sweeps.tuning import tuning_summary
+        from sweeps.tuning import candidates_beyond_guarantee, ran_trial_epsilon, tuning_summary
 
-        tuning = tuning_summary(spec)
+        try:   # the guarantee of what ran: the candidates' own per-trial epsilon, checked against their ledgers
+            tuning = tuning_summary(spec, ran_trial_epsilon(spec, [r for r in rows if r.get("status") == "DONE"]))
+            beyond = candidates_beyond_guarantee(rows, tuning)
+        except ValueError as exc:
+            beyond = [str(exc)]
+        if beyond:
+            for line in beyond:
+                _err(f"tuning_privacy: {line}")
+            _err("nothing is released: the end-to-end guarantee does not cover these candidates")
+            from sweeps.tracking import stop_parent_run
+
+            stop_parent_run(info, "FAILED", "tuning_privacy: a candidate ran beyond the end-to-end guarantee")
+            return EXIT_FAILED
     released = record_selection(info, spec, rows, tuning)
     if released is not None:
         print(f"released: trial {released.get('trial_id', '?')} with {spec.search.metric} = "

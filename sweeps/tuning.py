@@ -160,15 +160,21 @@ def privacy_configs(spec: "SweepSpec") -> list[dict]:
             for combo in combos]
 
 
-def tuning_summary(spec: "SweepSpec") -> dict[str, float]:
+def tuning_summary(spec: "SweepSpec", ran_epsilon: float | None = None) -> dict[str, float]:
     """The numbers the parent run records: E[K], the worst per-trial epsilon and the end-to-end
     epsilon at ``tuning_privacy.delta`` (default: the largest per-trial delta in the space). Not K:
-    the guarantee assumes it unobserved (docs/tuning_privacy.md)."""
+    the guarantee assumes it unobserved (docs/tuning_privacy.md).
+
+    ``ran_epsilon``: with ``target_epsilon``, the per-trial epsilon the candidates were configured
+    with (``ran_trial_epsilon``): the summary is then of what ran, not of a calibration made again
+    (a resume re-validates the spec, and a calibration of today's code may land elsewhere)."""
     from dpmech.privacy.accounting import rdp_epsilon
     from dpmech.privacy.tuning import tuning_epsilon, worst_case_rdp
 
     tp = spec.tuning_privacy
     configs = privacy_configs(spec)
+    if ran_epsilon is not None:
+        configs = [{**c, "epsilon": float(ran_epsilon)} for c in configs]
     delta = tuning_delta(spec, configs)
     worst = worst_case_rdp(_trial_events(spec, configs))
     return {
@@ -180,6 +186,28 @@ def tuning_summary(spec: "SweepSpec") -> dict[str, float]:
         **({"tuning_target_epsilon": float(tp.target_epsilon), "trial_epsilon_calibrated": float(configs[0]["epsilon"])}
            if tp.target_epsilon is not None else {}),
     }
+
+
+def ran_trial_epsilon(spec: "SweepSpec", rows: list[dict]) -> float | None:
+    """The per-trial epsilon the candidates of a ``target_epsilon`` sweep were configured with (None
+    without ``target_epsilon``, or when no candidate reports it); a ValueError when they differ."""
+    if spec.tuning_privacy is None or spec.tuning_privacy.target_epsilon is None:
+        return None
+    ran = {float(r["cfg.epsilon"]) for r in rows if isinstance(r.get("cfg.epsilon"), (int, float))}
+    if len(ran) > 1:
+        raise ValueError(f"tuning_privacy: the candidates ran at different per-trial epsilons {sorted(ran)}; the "
+                         "end-to-end guarantee assumes one")
+    return ran.pop() if ran else None
+
+
+def candidates_beyond_guarantee(rows: list[dict], summary: dict[str, float], rtol: float = 1e-9) -> list[str]:
+    """The candidates whose logged epsilon (their ledger's, at their delta) exceeds the per-trial
+    epsilon the end-to-end guarantee assumed (``trial_epsilon_worst``): each one a line. The ledger
+    may stop short of the plan (an empty list is the expected outcome)."""
+    assumed = summary["trial_epsilon_worst"]
+    return [f"trial {r.get('trial_id', '?')}: logged epsilon {r['epsilon']:.6g} > {assumed:.6g} assumed by the "
+            "end-to-end guarantee" for r in rows
+            if isinstance(r.get("epsilon"), (int, float)) and r["epsilon"] > assumed * (1 + rtol)]
 
 
 def tuning_delta(spec: "SweepSpec", configs: list[dict]) -> float:

@@ -81,9 +81,22 @@ def test_ranges_allowed_on_keys_that_do_not_change_privacy():
     assert {t["epsilon"] for t in trials} <= {1.0, 2.0}
 
 
-def test_k_is_drawn_from_the_distribution_and_fixed_by_the_seed():
+def _bound(spec, key):
+    spec.bind_noise_key(key)
+    return spec
+
+
+def test_k_is_drawn_from_the_distribution_and_fixed_by_the_sweeps_secret():
+    from dpmech.privacy.secret import NoiseKey
+
     ks = [len(expand_trials(validate_spec(raw(**{"search.seed": s})))) for s in range(300)]
-    assert len(expand_trials(validate_spec(raw()))) == len(expand_trials(validate_spec(raw())))
+    key = NoiseKey.fresh()    # the same secret, the same K and candidates (a resume); the seed plays no part
+    assert expand_trials(_bound(validate_spec(raw()), key)) == expand_trials(_bound(validate_spec(raw(**{"search.seed": 9})), key))
+    # K follows the secret, not search.seed: over 40 fresh secrets and one seed, K varies
+    assert len({len(expand_trials(_bound(validate_spec(raw()), NoiseKey.fresh()))) for _ in range(40)}) > 3
+    # the research mode (noise_source: seed) draws K and the candidates from search.seed, as before issue 32
+    research = raw(**{"common": {"train_size": 100, "test_size": 50, "noise_source": "seed"}})
+    assert expand_trials(validate_spec(research)) == expand_trials(validate_spec(research))
     pmf = num_trials_pmf("geometric", 5, kmax=200)
     counts = np.bincount(ks, minlength=201)[:201]
     # bins 1..9 and a tail bin
