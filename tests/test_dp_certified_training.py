@@ -1,0 +1,202 @@
+"""DP-SGD for certification (dpmech/dpsgd/certified.py): one example's k noise augmentations and its
+consistency regulariser are ONE clipped contribution, on every clipping route.
+
+The clipped sum S of a step is read from the update (SGD, lr 1, no momentum, noise multiplier 0:
+p <- p - S / B), so the test sees what the engine applied, not an internal value. It is compared
+with a float64 torch.func reference (each example's gradient computed from its own k rows alone,
+clipped to C, summed), and removing any one example must move S by at most C. Negative control: a
+planted regulariser that ties each example to its neighbour in the batch (mixing two examples)
+moves S by far more than C and departs from the per-example reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+
+from dpmech.dpsgd.certified import DPCertConfig, DPCertTrainer, consistency_loss, per_example_objective
+from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer
+from dpmech.privacy.clipping import BookKeeper
+from dpmech.privacy.secret import NoiseKey
+
+B, K, C, SIGMA, LAMBDA, ETA = 6, 3, 0.05, 0.5, 4.0, 0.5
+
+
+def small_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 3, 3, stride=2), nn.Tanh(), nn.GroupNorm(1, 3), nn.Flatten(),
+                         nn.Linear(27, 4)).double()
+
+
+@pytest.fixture(scope="module")
+def data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(B, 1, 8, 8, generator=g, dtype=torch.float64) * 2 - 1
+    y = torch.randint(0, 4, (B,), generator=g)
+    z = torch.randn(K, B, 1, 8, 8, generator=g, dtype=torch.float64) * SIGMA
+    return x, y, z
+
+
+def config(clipping: str, **kw) -> DPCertConfig:
+    base = dict(epsilon=None, noise_multiplier=0.0, max_grad_norm=C, batch_size=B, epochs=1, lr=1.0, momentum=0.0,
+                optimizer="sgd", clipping=clipping, noise_augmentation_sigma=SIGMA, augment_multiplicity=K,
+                consistency_weight=LAMBDA, consistency_eta=ETA, seed=0)
+    base.update(kw)
+    return DPCertConfig(**base)
+
+
+class MixingTrainer(DPCertTrainer):
+    """The negative control: example i's loss also fits its augmentations to the label of the NEXT
+    example in the batch (i + 1 mod B), a consistency target taken from another example: a
+    regulariser that mixes two examples."""
+
+    def objective(self, logits, yb):
+        k, b, n_cls = logits.shape
+        partner = yb.roll(-1, 0).repeat(k)                     # row (j, i): example i + 1's label
+        mix = F.cross_entropy(logits.reshape(k * b, n_cls), partner, reduction="none").reshape(k, b).mean(0)
+        return super().objective(logits, yb) + 20.0 * mix
+
+
+def clipped_sum(route: str, x, y, z, keep, trainer_cls=DPCertTrainer, **kw) -> torch.Tensor:
+    """S = sum_i clip_C(g_i) over the examples ``keep`` with their augmentation noise z[:, keep],
+    read from one real step of the engine (``route``: flat, or bk with that BookKeeper route)."""
+    model = small_net()
+    cfg = config("flat" if route == "flat" else "bk", **kw)
+    tr = trainer_cls(model, x, y, cfg, noise_key=NoiseKey.reproducible(0))
+    if route != "flat":
+        tr.bookkeeper.remove()
+        tr.bookkeeper = BookKeeper(tr.model, prefer=route, rows_per_example=cfg.augment_multiplicity)
+    keep = torch.as_tensor(keep)
+    tr.augmentation_noise = lambda xb: z[:, keep]
+    before = torch.cat([p.detach().flatten().clone() for p in tr.model.parameters()])
+    tr._step(keep)
+    after = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
+    tr.close()
+    return (before - after) * B        # lr 1: p <- p - S / B
+
+
+def reference(x, y, z, keep, weight=LAMBDA) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.func in float64: g_i = grad of l_i from example i's own k rows; sum_i min(1, C/||g_i||) g_i
+    (Opacus's factor C / (||g_i|| + 1e-6)); also the norms ||g_i||."""
+    model = small_net()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss_i(prm, xi, zi, yi):
+        logits = functional_call(model, prm, (xi.unsqueeze(0) + zi,))         # [k, K]
+        return per_example_objective(logits.unsqueeze(1), yi.unsqueeze(0), weight, ETA)[0]
+
+    keep = torch.as_tensor(keep)
+    g = vmap(grad(loss_i), in_dims=(None, 0, 1, 0))(params, x[keep], z[:, keep], y[keep])
+    flat = torch.cat([g[n].reshape(len(keep), -1) for n in params], 1)
+    norms = flat.norm(dim=1)
+    c = (C / (norms + 1e-6)).clamp(max=1.0)
+    return (c[:, None] * flat).sum(0), norms
+
+
+ROUTES = ["ghost", "inst", "bmm_f", "grouped", "flat"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_k_augmentations_and_regulariser_are_one_clipped_contribution(route, data):
+    x, y, z = data
+    everyone = list(range(B))
+    ref, norms = reference(x, y, z, everyone)
+    assert (norms > 2 * C).all()                     # every example clipped: the bound is attained
+    s = clipped_sum(route, x, y, z, everyone)
+    assert torch.allclose(s, ref, rtol=1e-8, atol=1e-12), (s - ref).norm()
+    moves = []
+    for i in everyone:
+        rest = [j for j in everyone if j != i]
+        moves.append(float((s - clipped_sum(route, x, y, z, rest)).norm()) / C)
+    assert max(moves) <= 1 + 1e-9, moves
+    assert min(moves) > 1 - 1e-6                     # each removal moves S by exactly C (clipped examples)
+
+
+@pytest.mark.parametrize("route", ["ghost", "flat"])
+def test_negative_control_a_regulariser_mixing_examples_is_caught(route, data):
+    x, y, z = data
+    everyone = list(range(B))
+    s = clipped_sum(route, x, y, z, everyone, trainer_cls=MixingTrainer)
+    moves = [float((s - clipped_sum(route, x, y, z, [j for j in everyone if j != i],
+                                    trainer_cls=MixingTrainer)).norm()) / C for i in everyone]
+    assert max(moves) > 1.5, moves                   # sensitivity above C: caught (1.83 C measured)
+    ref, _ = reference(x, y, z, everyone)
+    assert (s - ref).norm() > 0.1 * C                # and not the per-example clip-and-sum
+
+
+def test_consistency_loss_is_the_papers_formula():
+    """lambda (1/k) sum_j KL(p_hat || p_j) + eta H(p_hat), written out with explicit loops."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 5, 4, generator=g, dtype=torch.float64)
+    got = consistency_loss(logits, 2.0, 0.3)
+    for i in range(5):
+        ps = [torch.softmax(logits[j, i], 0) for j in range(3)]
+        ph = sum(ps) / 3
+        kl = sum(float((ph * (ph / p).log()).sum()) for p in ps) / 3
+        h = -float((ph * ph.log()).sum())
+        assert abs(float(got[i]) - (2.0 * kl + 0.3 * h)) < 1e-12
+    # identical augmentations: KL 0, only the entropy remains
+    same = logits[:1].expand(3, 5, 4)
+    p = torch.softmax(same[0], -1)
+    assert torch.allclose(consistency_loss(same, 2.0, 0.3), 0.3 * -(p * p.log()).sum(-1))
+
+
+def test_objective_row_i_depends_on_example_i_only():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 6, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 10, (6,), generator=g)
+    out = per_example_objective(logits, y, 5.0, 0.5)
+    (jac,) = torch.autograd.grad(out[2], logits)
+    assert jac[:, 2].abs().sum() > 0 and jac[:, [0, 1, 3, 4, 5]].abs().max() == 0
+
+
+def test_multiplicity_one_without_regulariser_is_plain_dp_sgd():
+    """k = 1, lambda = 0: the same steps as DPSGDTrainer (same draws, same update) to float rounding."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.rand(64, 1, 8, 8, generator=g) * 2 - 1)
+    y = torch.randint(0, 4, (64,), generator=g)
+    common = dict(epsilon=None, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=16, epochs=1, lr=0.1,
+                  noise_augmentation_sigma=0.5, seed=3)
+    a = DPSGDTrainer(small_net().float(), x, y, DPSGDConfig(**common), noise_key=NoiseKey.reproducible(3))
+    b = DPCertTrainer(small_net().float(), x, y, DPCertConfig(**common), noise_key=NoiseKey.reproducible(3))
+    for _ in range(3):
+        a.train_step(), b.train_step()
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_training_runs_and_checkpoints_on_bk():
+    g = torch.Generator().manual_seed(5)
+    x = (torch.rand(64, 1, 8, 8, generator=g) * 2 - 1)
+    y = torch.randint(0, 4, (64,), generator=g)
+    cfg = DPCertConfig(epsilon=None, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=16, epochs=2, lr=0.1,
+                       noise_augmentation_sigma=0.5, augment_multiplicity=2, consistency_weight=1.0, seed=0)
+    a = DPCertTrainer(small_net().float(), x, y, cfg, noise_key=NoiseKey.reproducible(0))
+    a.train_epoch()
+    state = a.state_dict()
+    b = DPCertTrainer(small_net().float(), x, y, copy.deepcopy(cfg), noise_key=NoiseKey.reproducible(0))
+    b.load_state_dict(state)
+    a.train_epoch(), b.train_epoch()
+    for p, q in zip(a.model.parameters(), b.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-5)
+    assert a.privacy()["steps"] == 8
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(augment_multiplicity=0), "augment_multiplicity"),
+    (dict(augment_multiplicity=2, noise_augmentation_sigma=0.0, consistency_weight=0.0), "augment_multiplicity"),
+    (dict(augment_multiplicity=1), "consistency_weight"),
+    (dict(consistency_weight=-1.0), "consistency_weight"),
+    (dict(consistency_eta=-0.1), "consistency_eta"),
+    (dict(clipping="ghost"), "clipping"),
+])
+def test_bad_settings_fail_with_one_line_naming_the_key(kw, message):
+    base = dict(epsilon=1.0, noise_augmentation_sigma=0.5, augment_multiplicity=2, consistency_weight=1.0)
+    base.update(kw)
+    with pytest.raises(ValueError) as err:
+        DPCertConfig(**base)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
