@@ -200,3 +200,39 @@ def test_bad_settings_fail_with_one_line_naming_the_key(kw, message):
     with pytest.raises(ValueError) as err:
         DPCertConfig(**base)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- trial keys (trainables/dpsgd.py)
+
+@pytest.mark.parametrize("kw, key", [
+    (dict(augment_multiplicity=2), "augment_multiplicity"),                       # no noise_augmentation_sigma
+    (dict(consistency_weight=1.0, noise_augmentation_sigma=0.5), "consistency_weight"),   # k = 1
+    (dict(augment_multiplicity=2, noise_augmentation_sigma=0.5, clipping="ghost"), "clipping"),
+    (dict(augment_multiplicity=2, noise_augmentation_sigma=0.5, audit={"mode": "whitebox", "canaries": 100}),
+     "audit.canary"),
+])
+def test_trial_keys_refuse_bad_combinations_naming_the_key(kw, key):
+    from pydantic import ValidationError
+
+    from trainables.dpsgd import DPSGDTrialConfig
+
+    with pytest.raises(ValidationError) as err:
+        DPSGDTrialConfig(train_size=2000, **kw)
+    assert f"Value error, {key}:" in str(err.value)
+
+
+def test_trial_keys_build_the_certified_trainer():
+    from trainables.dpsgd import DPSGDMechanism, DPSGDTrialConfig
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.rand(64, 1, 28, 28, generator=g) * 2 - 1
+    y = torch.randint(0, 10, (64,), generator=g)
+    cfg = DPSGDTrialConfig(train_size=64, batch_size=16, model="tb_cnn", noise_augmentation_sigma=1.0,
+                           augment_multiplicity=3, consistency_weight=2.0, consistency_eta=0.25)
+    mech = DPSGDMechanism(cfg, x, y, torch.device("cpu"))
+    assert isinstance(mech.trainer, DPCertTrainer)
+    assert mech.trainer.bookkeeper.rows_per_example == 3
+    assert (mech.trainer.config.consistency_weight, mech.trainer.config.consistency_eta) == (2.0, 0.25)
+    mech.trainer.train_step()
+    plain = DPSGDMechanism(DPSGDTrialConfig(train_size=64, batch_size=16), x, y, torch.device("cpu"))
+    assert type(plain.trainer) is DPSGDTrainer

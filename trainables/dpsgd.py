@@ -96,6 +96,19 @@ class DPSGDTrialConfig(CommonConfig):
         description="std of Gaussian noise added to training inputs ([-1, 1] domain); > 0 makes the model a "
                     "randomized-smoothing base classifier with this sigma")
     accountant: Literal["rdp", "pld"] = Field("rdp", description="accountant used to calibrate the noise (both are reported)")
+    augment_multiplicity: int = Field(
+        1, ge=1, description="k Gaussian noise augmentations (std noise_augmentation_sigma) of each example, its loss "
+                             "averaged over them before clipping: one clipped gradient per example (DP-CERT, Wu et al. "
+                             "2024; docs/dp_certified.md); k > 1 needs noise_augmentation_sigma > 0 and clipping bk or "
+                             "flat; costs about k times a step")
+    consistency_weight: float = Field(
+        0.0, ge=0, allow_inf_nan=False,
+        description="lambda of Jeong & Shin 2020's consistency regulariser (KL of each augmentation's softmax from "
+                    "the example's mean softmax, plus consistency_eta times its entropy), inside each example's "
+                    "clipped loss; > 0 needs augment_multiplicity >= 2")
+    consistency_eta: float = Field(
+        0.5, ge=0, allow_inf_nan=False,
+        description="eta of the consistency regulariser's entropy term (used only with consistency_weight > 0)")
 
     protects_training_examples: ClassVar[bool] = True
     supports_whitebox_audit: ClassVar[bool] = True   # trains with the DP-SGD engine (audit: {mode: whitebox})
@@ -128,7 +141,19 @@ class DPSGDTrialConfig(CommonConfig):
             raise ValueError(f"batch_size must be <= train_size ({self.train_size}): the sampling rate "
                              f"batch_size / train_size is a probability, got {self.batch_size}")
         self._feature_rules()
+        self._certified_rules()
         return self
+
+    def _certified_rules(self) -> None:
+        """augment_multiplicity / consistency_weight: the rules of dpmech.dpsgd.certified.DPCertConfig
+        (one line naming the key), checked here so that a spec fails at validation."""
+        if self.augment_multiplicity == 1 and self.consistency_weight == 0:
+            return
+        dpsgd_config(self)
+        audit = getattr(self, "audit", None) or {}
+        if audit.get("mode") == "whitebox" and audit.get("canary", "engine") in ("engine", None):
+            raise ValueError("audit.canary: engine canaries are rows of the plain DP-SGD loss; with "
+                             "augment_multiplicity > 1 or consistency_weight > 0 use 'inserted'")
 
     def _feature_rules(self) -> None:
         """``features`` and ``model`` go together (scatternet with linear / scatter_cnn only); with
@@ -168,12 +193,19 @@ def dpsgd_config(cfg: DPSGDTrialConfig):
     """The dpmech configuration of a trial (one-line ValueError naming the key on a bad value)."""
     from dpmech.dpsgd.trainer import DPSGDConfig
 
-    return DPSGDConfig(epsilon=cfg.epsilon, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
-                       batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr, lr_schedule=cfg.lr_schedule,
-                       optimizer=cfg.optimizer,
-                       momentum=cfg.momentum, weight_decay=cfg.weight_decay, clipping=cfg.clipping,
-                       noise_augmentation_sigma=cfg.noise_augmentation_sigma, accountant=cfg.accountant,
-                       seed=cfg.seed)
+    kw = dict(epsilon=cfg.epsilon, delta=cfg.delta, max_grad_norm=cfg.max_grad_norm,
+              batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr, lr_schedule=cfg.lr_schedule,
+              optimizer=cfg.optimizer,
+              momentum=cfg.momentum, weight_decay=cfg.weight_decay, clipping=cfg.clipping,
+              noise_augmentation_sigma=cfg.noise_augmentation_sigma, accountant=cfg.accountant,
+              seed=cfg.seed)
+    if cfg.augment_multiplicity > 1 or cfg.consistency_weight > 0:
+        # k augmentations / the consistency regulariser inside each example's loss (docs/dp_certified.md)
+        from dpmech.dpsgd.certified import DPCertConfig
+
+        return DPCertConfig(**kw, augment_multiplicity=cfg.augment_multiplicity,
+                            consistency_weight=cfg.consistency_weight, consistency_eta=cfg.consistency_eta)
+    return DPSGDConfig(**kw)
 
 
 def privacy_event(cfg: DPSGDTrialConfig):
@@ -197,7 +229,11 @@ class DPSGDMechanism(TrainerMechanism):
             model, x = self._scatternet(cfg, x, device)
         else:
             model = build_dpsgd_model(cfg.dataset, cfg.seed, cfg.model, cfg.input_range)
-        self.trainer = DPSGDTrainer(model, x, y, dpsgd_config(cfg),
+        config = dpsgd_config(cfg)
+        trainer_cls = DPSGDTrainer
+        if type(config).__name__ == "DPCertConfig":
+            from dpmech.dpsgd.certified import DPCertTrainer as trainer_cls
+        self.trainer = trainer_cls(model, x, y, config,
                                     device=device, plan_size=planned_train_size(cfg), canaries=whitebox_canaries(cfg),
                                     noise_key=noise_key)
         if self.extractor is not None:
