@@ -55,9 +55,17 @@ def _cfg(**kw):
     return DPGANConfig(**base)
 
 
+def _replayable(seed: int) -> dict:
+    """The research mode's noise key (issue 32.1): these tests compare runs draw for draw."""
+    from dpmech.privacy.secret import NoiseKey
+
+    return {"noise_key": NoiseKey.reproducible(seed)}
+
+
 def _trainer(canaries=None, n=160, cls=DPGANTrainer, plan_size=None, **kw):
     x, y = _data(n)
-    return cls(_cfg(**kw), x, y, plan_size=plan_size, canaries=canaries)
+    cfg = _cfg(**kw)
+    return cls(cfg, x, y, plan_size=plan_size, canaries=canaries, **_replayable(cfg.seed))
 
 
 class ScaledNoise(DPGANTrainer):
@@ -190,7 +198,7 @@ def _audited(cls, seed, m=M):
     x, y = _data(FULL["n"], seed)
     cfg = _cfg(epsilon=FULL["epsilon"], epochs=FULL["epochs"], batch_size=FULL["batch_size"], hidden=FULL["hidden"],
                seed=seed)
-    t = cls(cfg, x, y, canaries=can)
+    t = cls(cfg, x, y, canaries=can, **_replayable(seed))
     for _ in range(FULL["epochs"]):
         t.train_epoch()
     out = can.audit(delta=DELTA, estimators=("steinke", "fdp", "gdp"), guess_fraction=GUESS)
@@ -366,7 +374,8 @@ def test_trial_key_rules(monkeypatch):
     assert DPGANTrialConfig.supports_whitebox_audit
     assert DPGANTrialConfig(audit=wb).audit == {"mode": "whitebox", "canaries": 100,
                                                 "estimator": ["steinke", "fdp", "gdp"], "confidence": 0.95,
-                                                "direction": "dirac", "statistic": "llr", "guess_fraction": 0.2}
+                                                "canary": "inserted", "direction": "dirac", "statistic": "llr",
+                                                "guess_fraction": 0.2}
     cases = [
         ({"audit": wb, "epsilon": None}, "non-private baseline"),
         ({"audit": {**wb, "canaries": 0}}, r"config\.audit: .*\bcanaries: "),
