@@ -38,7 +38,9 @@ Engine API (for DP-SGD itself and for mechanisms built on it, e.g. SecureSGD)::
     trainer = DPSGDTrainer(model, x_train, y_train, cfg, device="cpu")   # any nn.Module classifier
     trainer = DPSGDTrainer(model, dataset, config=cfg)   # or a map-style Dataset / DataLoader (below)
     # (optional plan_size=n: plan q = batch_size / n and the steps from n instead of len(x_train))
-    # (optional canaries=WhiteBoxCanaries(m): white-box audit canaries, dpmech.privacy.audit.whitebox)
+    # (optional canaries=EngineCanaries(m) or WhiteBoxCanaries(m): white-box audit canaries, examples of D
+    #  drawn by poisson_batch with the real ones; engine canaries are also clipped by this engine;
+    #  dpmech.privacy.audit.whitebox)
     trainer.train_epoch()            # -> {"train_loss", "train_acc", "batch_size_mean"}
     trainer.train_step()             # one Poisson-sampled clipped noisy step -> (batch size, loss sum, correct)
     trainer.privacy()                # epsilon (RDP), epsilon_pld, delta, noise_multiplier, sampling_rate, steps
