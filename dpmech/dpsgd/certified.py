@@ -109,12 +109,14 @@ def per_example_objective(logits: torch.Tensor, y: torch.Tensor, weight: float =
 
 class DPCertTrainer(DPSGDTrainer):
     """:class:`DPSGDTrainer` whose per-example loss averages k Gaussian augmentations of the example
-    and adds the consistency regulariser (module docstring); one clipped gradient per example."""
+    and adds the consistency regulariser (module docstring); one clipped gradient per example.
+    ``bk_prefer``: the book-keeping routes with k > 1 (:class:`~dpmech.privacy.clipping.BookKeeper`'s
+    ``prefer``; "mixed" skips the one-off timing, whose compiled routes take tens of seconds)."""
 
     config: DPCertConfig
 
     def __init__(self, model, x_train, y_train=None, config: DPCertConfig | None = None, *, device="cpu",
-                 plan_size=None, canaries=None, noise_key=None):
+                 plan_size=None, canaries=None, noise_key=None, bk_prefer: str = "measured"):
         if not isinstance(config, DPCertConfig):
             raise ValueError(f"config must be a DPCertConfig, got {type(config).__name__}")
         super().__init__(model, x_train, y_train, config, device=device, plan_size=plan_size, canaries=canaries,
@@ -123,7 +125,7 @@ class DPCertTrainer(DPSGDTrainer):
         if self.bookkeeper is not None and k > 1:
             # the k rows j B + i of example i are one example (clipping.py, rows_per_example)
             self.bookkeeper.remove()
-            self.bookkeeper = BookKeeper(self.model, rows_per_example=k)
+            self.bookkeeper = BookKeeper(self.model, prefer=bk_prefer, rows_per_example=k)
 
     def augment(self, xb: torch.Tensor) -> torch.Tensor:
         """The base step's single augmentation is not used: :meth:`forward_backward` draws k."""

@@ -1,0 +1,99 @@
+"""benchmarks/dp_certified_mnist.py (issue 36): the demo trains and certifies one unit end to end,
+writes the top level the issue specifies, resumes per unit, keeps the two radius domains apart,
+and the envelope / docs table say how each figure was chosen."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import dp_certified_mnist as bench
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dpc") / "demo.json"
+    bench.main(["--demo", "--out", str(out), "--methods", "dpcert", "--epsilons", "3", "--sigmas", "0.5",
+                "--threads", "2"])
+    return out
+
+
+def test_demo_writes_the_issues_top_level_and_the_unit(demo):
+    summary = json.loads(demo.read_text())
+    e = summary["eps_3"]
+    assert set(e["cert_acc"]) == {"0.5", "1.0", "1.5", "2.0"} and e["radius_domain"] == "[0, 1]"
+    assert e["seeds"] == 1 and e["n"] == 200 and e["images"] == 20 and e["n0"] == 20
+    assert e["epsilon"] <= 3.0 + 1e-9 and e["epsilon_delta_1e-6"] > e["epsilon"]   # smaller delta, larger epsilon
+    assert e["config"]["0.5"]["method"] == "dpcert" and e["config"]["0.5"]["augment_multiplicity"] == 4
+    assert "tuning choice" in e["selection"]
+    (unit,) = summary["units"].values()
+    assert unit["sigma_pm1"] == 2 * unit["sigma_01"] == 1.0
+    assert unit["config"]["noise_augmentation_sigma"] == 1.0          # trained at the [-1, 1] sigma
+    for r01, acc in unit["cert_acc_01"].items():                      # the same figure under both domains' keys
+        assert unit["cert_acc_pm1"][bench.key01(2 * float(r01))] == acc
+
+
+def test_unit_file_reproduces_its_certified_accuracy_from_the_per_image_radii(demo):
+    (path,) = demo.with_suffix("").glob("*.json")
+    unit = json.loads(path.read_text())
+    radius01, correct = np.array(unit["radius_01"]), np.array(unit["correct"])
+    for r, acc in unit["cert_acc_01"].items():
+        assert acc == pytest.approx(100 * np.mean(correct & (radius01 >= float(r))))
+    assert unit["cert_index"] == bench.cert_subset(10000, 20).tolist()
+
+
+def test_a_finished_unit_is_skipped_on_rerun(demo, capsys):
+    (path,) = demo.with_suffix("").glob("*.json")
+    before = path.read_text()
+    bench.main(["--demo", "--out", str(demo), "--methods", "dpcert", "--epsilons", "3", "--sigmas", "0.5"])
+    assert "already done, skipped" in capsys.readouterr().out
+    assert path.read_text() == before
+
+
+def test_certified_subset_is_fixed_and_shared():
+    a, b = bench.cert_subset(10000, 500), bench.cert_subset(10000, 500)
+    assert (a == b).all() and len(set(a.tolist())) == 500
+    assert (bench.cert_subset(10000, 100) == a[:100]).all()
+
+
+def _unit(method, sigma, seed, accs, split="test", row="eps_3"):
+    return {"unit": f"{split}{method}{sigma}{seed}", "method": method, "sigma_01": sigma, "seed": seed, "split": split,
+            "epsilon_row": row, "n": 10000, "n0": 100, "alpha": 0.001, "images": 500, "epsilon": 2.99,
+            "epsilon_delta_1e-6": 3.4, "delta": 1e-5,
+            "cert_acc_01": dict(zip(("0.5", "1.0", "1.5", "2.0"), accs)),
+            "config": {"augment_multiplicity": 4, "consistency_weight": 0.0, "consistency_eta": 0.5, "epochs": 40,
+                       "lr": 0.5, "batch_size": 512, "max_grad_norm": 0.1}}
+
+
+def test_envelope_takes_the_best_sigma_per_radius_and_prefers_validation():
+    units = [_unit("dpcert", 0.25, s, [95 + s, 80, 10, 0]) for s in (0, 1)]
+    units += [_unit("dpcert", 1.0, s, [80, 70, 50 + s, 30]) for s in (0, 1)]
+    e = bench.envelope(units, "eps_3")
+    assert e["cert_acc"]["0.5"] == 95.5 and e["config"]["0.5"]["sigma_01"] == 0.25
+    assert e["cert_acc"]["1.5"] == 50.5 and e["config"]["1.5"]["sigma_01"] == 1.0
+    assert e["cert_acc_std"]["0.5"] == pytest.approx(np.std([95, 96], ddof=1)) and e["seeds"] == 2
+    assert "tuning choice" in e["selection"]
+    # validation units that favour sigma 1.0 everywhere: the test figures follow that choice
+    val = [_unit("dpcert", 0.25, 0, [10, 10, 10, 10], "val"), _unit("dpcert", 1.0, 0, [90, 90, 90, 90], "val")]
+    e = bench.envelope(units + val, "eps_3")
+    assert e["cert_acc"]["0.5"] == 80 and e["config"]["0.5"]["sigma_01"] == 1.0
+    assert e["selection"].startswith("per radius, the configuration best on the validation split")
+    assert bench.envelope(units, "eps_1") is None
+
+
+def test_docs_table_states_n_images_domains_and_met_or_missed(tmp_path):
+    units = [_unit("dpcert", 0.5, 0, [94.5, 80, 55, 10])]
+    summary = {"eps_3": bench.envelope(units, "eps_3")}
+    table = bench.docs_table(summary)
+    assert "r_[0,1] 0.5 (r_[-1,1] 1.0)" in table and "N 10000, 500 images, 1 seeds" in table
+    assert "94.5 (dpcert, sigma_01 0.5; target >= 94: met)" in table
+    assert "80.0 (dpcert, sigma_01 0.5; target >= 84: missed)" in table
+    assert "not run (target >= 90)" in table                   # epsilon 1 absent
+    doc = tmp_path / "doc.md"
+    doc.write_text("x\n<!-- dp_certified_mnist:begin -->\nold\n<!-- dp_certified_mnist:end -->\ny\n")
+    res = tmp_path / "r.json"
+    res.write_text(json.dumps(summary))
+    bench.write_docs(res, doc)
+    assert "old" not in doc.read_text() and "94.5" in doc.read_text()
