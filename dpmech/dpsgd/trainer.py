@@ -37,6 +37,8 @@ Engine API (for DP-SGD itself and for mechanisms built on it, e.g. SecureSGD)::
                       lr=0.1, optimizer="sgd", momentum=0.9, clipping="ghost", seed=0)
     trainer = DPSGDTrainer(model, x_train, y_train, cfg, device="cpu")   # any nn.Module classifier
     trainer = DPSGDTrainer(model, dataset, config=cfg)   # or a map-style Dataset / DataLoader (below)
+    # (optional noise_key=NoiseKey: the secret the sampling and the noise are drawn from; default a
+    #  fresh one from the OS's entropy; NoiseKey.reproducible(seed) is the labelled research mode)
     # (optional plan_size=n: plan q = batch_size / n and the steps from n instead of len(x_train))
     # (optional canaries=EngineCanaries(m) or WhiteBoxCanaries(m): white-box audit canaries, examples of D
     #  drawn by poisson_batch with the real ones; engine canaries are also clipped by this engine;
@@ -282,7 +284,7 @@ class DPSGDTrainer:
 
     def __init__(self, model: nn.Module, x_train, y_train: torch.Tensor | None = None,
                  config: DPSGDConfig | None = None, *, device: str | torch.device = "cpu",
-                 plan_size: int | None = None, canaries=None):
+                 plan_size: int | None = None, canaries=None, noise_key=None):
         if not isinstance(config, DPSGDConfig):
             raise ValueError(f"config must be a DPSGDConfig, got {type(config).__name__}")
         config.validate()
