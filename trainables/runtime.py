@@ -454,12 +454,4 @@ def run_audit(mech, canaries, cfg: CommonConfig, delta: float, claim: float | No
     if not cfg.audit:   # the flat keys: today's metric name as well
         out["epsilon_lower_bound"] = out["audit_epsilon_lb_steinke"]
     return out
-    if hasattr(mech, "membership_scores"):
-        scores = mech.membership_scores(canaries.x, canaries.y)
-    else:
-        scores = loss_scores(mech.model, canaries.x, canaries.y)
-    out = run_estimators(scores, canaries.included, **opts)
-    if not cfg.audit:   # the flat keys: today's metric name as well
-        out["epsilon_lower_bound"] = out["audit_epsilon_lb_steinke"]
-    return out
 
