@@ -657,7 +657,7 @@ def _time_config(name: str, build, batch: int, device: torch.device, rounds: int
     x, y = x.to(device), y.to(device)
     gen = torch.Generator(device=device).manual_seed(0)
     # tiny: a few routes (the correctness section runs every one; the speed code path is the same)
-    routes = (["ghost", "inst", "bmm_f", "grouped_w"] if tiny else list(ROUTES)) + ["measured"]
+    routes = (["ghost", "inst", "bmm_f", "grouped_w"] if tiny else list(ROUTES) + ["mixed"]) + ["measured"]
     keepers = {r: BookKeeper(model, prefer=r) for r in routes}
     sigma, clip = 1.0, 1.0
 
