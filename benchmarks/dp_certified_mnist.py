@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -357,6 +358,7 @@ def measure_cost(ks=(1, 2, 4), steps: int = 12, cert_images: int = 50, n: int = 
         log(f"[cost] certify N={n}, {t} threads: {c['cert_img_s']:.2f} img/s "
             f"(plain inference {out['certify'][f'threads{t}']['plain_inference_img_s']:.0f} img/s)")
     out["device"] = environment(torch.device("cpu"))["device"]
+    out["load_average_at_end"] = list(os.getloadavg())     # the machine is shared: how loaded it was
     return out
 
 
