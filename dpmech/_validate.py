@@ -111,3 +111,18 @@ def training_images(x_train, y_train, *, in_range: bool = False) -> None:
                          f"and {tuple(y_train.shape)}")
     if in_range and (x_train.min().item() < -1 - 1e-6 or x_train.max().item() > 1 + 1e-6):
         raise ValueError("x_train must lie in [-1, 1]")
+
+
+def set_generator_state(field: str, generator, state) -> None:
+    """``generator.set_state(state)``, or a one-line ValueError when the state was saved by a
+    generator on another kind of device (a CUDA generator's state is 16 bytes, a CPU one's 5,056):
+    the stream cannot be continued there, and starting it again would reuse noise already drawn."""
+    import torch
+
+    state = state.cpu() if isinstance(state, torch.Tensor) else state
+    try:
+        generator.set_state(state)
+    except RuntimeError as exc:
+        raise ValueError(f"checkpoint.{field}: saved by a generator on another kind of device than this trainer's "
+                         f"{generator.device.type} ({str(exc).splitlines()[0][:80]}); resume on the device it was "
+                         "saved on (a fresh stream there would reuse or correlate noise already drawn)") from None

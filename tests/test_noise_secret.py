@@ -91,3 +91,15 @@ def test_every_private_trainer_draws_from_its_key():
     m = DPMERFConfig(epsilon=1.0, n_features=50, epochs=1, steps_per_epoch=1, seed=1)
     assert not torch.equal(DPMERFTrainer(m, x, y).released, DPMERFTrainer(m, x, y).released)
     assert torch.equal(DPMERFTrainer(m, x, y, noise_key=k).released, DPMERFTrainer(m, x, y, noise_key=k).released)
+
+
+def test_a_checkpoint_from_another_device_kind_is_refused_in_one_line():
+    """A CUDA generator's state cannot continue a CPU stream (and a fresh stream could reuse noise):
+    the trainer refuses, naming the field, instead of failing deep in torch."""
+    x, y = _data()
+    torch.manual_seed(0)
+    t = DPSGDTrainer(nn.Linear(16, 2), x, y, DPSGDConfig(epsilon=1.0, batch_size=16, epochs=1, seed=3))
+    state = t.state_dict()
+    state["noise_gen"] = torch.zeros(16, dtype=torch.uint8)     # the size of a CUDA (Philox) generator's state
+    with pytest.raises(ValueError, match=r"checkpoint.noise_gen: saved by a generator on another kind of device"):
+        t.load_state_dict(state)

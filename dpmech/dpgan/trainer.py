@@ -430,7 +430,7 @@ class DPGANTrainer(JudgedSampler):
         self.critic_opt.load_state_dict(state["critic_opt"])
         self.generator_opt.load_state_dict(state["generator_opt"])
         self.sample_gen.set_state(state["sample_gen"].cpu())
-        self.noise_gen.set_state(state["noise_gen"].cpu())
+        v.set_generator_state("noise_gen", self.noise_gen, state["noise_gen"])
         self.latent_gen.set_state(state["latent_gen"].cpu())
         self.ledger.load_state_dict(state["ledger"])
         if self.label_histogram is not None:  # the released histogram, as released (never re-drawn)
