@@ -591,6 +591,36 @@ def _trainer_checkpoint(device: torch.device) -> dict:
     with handed_noise(1):
         dev.train_step()
     res = {}
+    if device.type != "cpu":
+        # by design a trainer refuses a noise-generator state from another kind of device in one line
+        # (a CUDA generator's state cannot continue a CPU stream, and a fresh one could reuse noise)
+        try:
+            fresh("cpu").load_state_dict(_roundtrip(dev.state_dict()))
+            res["cross_device"] = "loaded (unexpected: the generator states differ in kind)"
+        except ValueError as err:
+            res["cross_device"] = f"refused as designed: {str(err)[:160]}"
+        except Exception as err:  # noqa: BLE001
+            return {"status": "fail", "error": f"{type(err).__name__}: {err}".splitlines()[0][:300],
+                    "reason": "a CUDA trainer checkpoint fails on the CPU with something else than the one-line refusal"}
+        # the same-device round trip through the CPU bytes (torch.load with map_location="cpu")
+        try:
+            back = fresh(device)
+            back.load_state_dict(_roundtrip(dev.state_dict()))
+            cpu = fresh(device)
+            cpu.load_state_dict(_roundtrip(dev.state_dict()))
+        except Exception as err:  # noqa: BLE001
+            return {"status": "fail", "error": f"{type(err).__name__}: {err}".splitlines()[0][:300],
+                    "reason": "a DP-SGD checkpoint saved on the device does not load back on the device"}
+        res["weights_exact"] = all(torch.equal(a.detach().cpu(), b.detach().cpu())
+                                   for a, b in zip(dev.model.parameters(), back.model.parameters()))
+        with handed_noise(2):
+            cpu.train_step()
+        with handed_noise(2):
+            back.train_step()
+        res["next_step_rel_err"] = max(rel_err(a, b) for a, b in zip(back.model.parameters(), cpu.model.parameters()))
+        ok = res["weights_exact"] and res["next_step_rel_err"] <= STEP_TOL and res["cross_device"].startswith("refused")
+        res["status"] = "pass" if ok else "fail"
+        return res
     try:
         cpu = fresh("cpu")
         cpu.load_state_dict(_roundtrip(dev.state_dict()))
