@@ -249,10 +249,14 @@ def _run(args, interrupts, sweep: dict) -> int:
             _err(f"dataset {name!r} is not available: {exc}")
             return EXIT_FAILED
 
-    from sweeps.runner import build_tuner, ray_init, save_state, swept_keys, unique_run_name
+    from sweeps.runner import RayUnreachable, build_tuner, ray_init, save_state, swept_keys, unique_run_name
     from sweeps.tracking import start_parent_run
 
-    ray_init(spec)
+    try:
+        print(ray_init(spec), flush=True)
+    except RayUnreachable as exc:
+        _err(str(exc))
+        return EXIT_INVALID
     interrupts.install()  # ray.init replaced the SIGTERM handler with one that exits at once
     from sweeps.cluster_checks import artifact_warning
 
@@ -521,7 +525,13 @@ def _resume(args, interrupts, sweep: dict) -> int:
         return EXIT_INVALID
     if not _tracking_ok(state["mlflow"]["tracking_uri"]):
         return EXIT_INVALID
-    ray_init(spec)
+    from sweeps.runner import RayUnreachable
+
+    try:
+        print(ray_init(spec), flush=True)
+    except RayUnreachable as exc:
+        _err(str(exc))
+        return EXIT_INVALID
     interrupts.install()  # ray.init replaced the SIGTERM handler with one that exits at once
     from sweeps.runner import build_tuner, sweep_trainable
     from sweeps.spec import ray_param_space

@@ -398,15 +398,68 @@ class _RayHintFilter:
         return not any(h in msg for h in self.HINTS)
 
 
-def ray_init(spec=None) -> None:
-    """Start or join Ray; a spec's own model/dataset modules travel to the workers (sweeps.user_modules)."""
+CURRENT_CLUSTER_FILE = "/tmp/ray/ray_current_cluster"   # where `ray start` records the latest local cluster
+PROBE_SECONDS = 10.0
+
+
+class RayUnreachable(RuntimeError):
+    """The Ray cluster the user named does not answer (one line: the address and how long we waited)."""
+
+
+def _named_address(address: str, current_file: str = CURRENT_CLUSTER_FILE) -> str:
+    """The ``host:port`` behind ``RAY_ADDRESS``: itself, the GCS address of ``ray://host:port``, or
+    for ``auto`` the cluster ``ray start`` recorded last (RayUnreachable when there is none)."""
+    if address.lower() == "auto":
+        try:
+            return Path(current_file).read_text().strip()
+        except OSError:
+            raise RayUnreachable(f"RAY_ADDRESS=auto: no Ray cluster was started on this machine ({current_file} "
+                                 "is missing); unset RAY_ADDRESS for a private local Ray") from None
+    return address.split("://", 1)[-1]
+
+
+def probe_ray(address: str, timeout: float = PROBE_SECONDS, current_file: str = CURRENT_CLUSTER_FILE) -> str:
+    """``host:port`` of the named cluster once it accepts a TCP connection; RayUnreachable within
+    ``timeout`` seconds otherwise (``ray.init`` would wait in its GCS client with nothing printed)."""
+    import socket
+
+    target = _named_address(address, current_file)
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise RayUnreachable(f"RAY_ADDRESS={address}: not host:port (e.g. 10.0.0.5:6379), ray://host:port or auto")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return target
+    except OSError as exc:
+        raise RayUnreachable(f"RAY_ADDRESS={address}: no Ray cluster answers at {target} within {timeout:g} s "
+                             f"({exc.strerror or type(exc).__name__}); start it, or unset RAY_ADDRESS for a private "
+                             "local Ray") from None
+
+
+def ray_init(spec=None) -> str:
+    """Start a private local Ray, or join the cluster ``RAY_ADDRESS`` names; a spec's own model/dataset
+    modules travel to the workers (sweeps.user_modules). Returns a line saying where the sweep runs.
+
+    Without ``RAY_ADDRESS`` (or with ``local``) the sweep gets a Ray instance of its own
+    (``address="local"``): never one that someone else (another user, a test, a stopped ``ray start``
+    whose address file remains) started on this machine, which Ray would otherwise join. A named
+    cluster must answer within ``PROBE_SECONDS`` (``probe_ray``), else RayUnreachable in one line."""
     import ray
 
     from sweeps.user_modules import runtime_env
 
     quiet_ray()
-    if not ray.is_initialized():
-        env = runtime_env(spec) if spec is not None else None
-        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False,
-                 log_to_driver=False, configure_logging=True, logging_level="WARNING",
-                 **({"runtime_env": env} if env else {}))
+    if ray.is_initialized():
+        return "Ray: this process's own instance (already initialised)"
+    address = (os.environ.get("RAY_ADDRESS") or "").strip()
+    env = runtime_env(spec) if spec is not None else None
+    common = dict(include_dashboard=False, log_to_driver=False, configure_logging=True, logging_level="WARNING",
+                  **({"runtime_env": env} if env else {}))
+    if not address or address.lower() == "local":
+        ray.init(address="local", **common)
+        cpus = ray.cluster_resources().get("CPU", 0)
+        return f"Ray: a private local instance ({cpus:g} CPUs; set RAY_ADDRESS to run on a cluster)"
+    target = probe_ray(address)
+    ray.init(address=address, **common)
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    return f"Ray: the cluster at {target} ({nodes} node(s), RAY_ADDRESS={address})"

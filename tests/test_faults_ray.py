@@ -1,0 +1,122 @@
+"""Fault injection (issue 33, point 9): a sweep stays on its own machine's own Ray.
+
+* Someone else's single-node Ray running on this machine (`ray start --head`, which records its
+  address in /tmp/ray/ray_current_cluster) is not joined: without RAY_ADDRESS the sweep gets a
+  private local instance. Before the fix ``ray.init(address=None)`` joined it.
+* A cluster that RAY_ADDRESS names but that does not answer (or ``auto`` naming a stopped one) is
+  reported in one line within seconds, nothing started; before, ``ray.init`` waited in its GCS
+  client with nothing printed (observed for 11 minutes).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sweeps.runner import CURRENT_CLUSTER_FILE, RayUnreachable, probe_ray
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_named_cluster_that_does_not_answer_is_one_line_within_seconds(tmp_path):
+    dead = f"127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(RayUnreachable, match=f"RAY_ADDRESS={dead}: no Ray cluster answers at {dead}"):
+        probe_ray(dead, timeout=2)
+    assert time.monotonic() - t0 < 5
+    stale = tmp_path / "ray_current_cluster"          # a stopped `ray start` left its address behind
+    stale.write_text(dead + "\n")
+    with pytest.raises(RayUnreachable, match="RAY_ADDRESS=auto: no Ray cluster answers"):
+        probe_ray("auto", timeout=2, current_file=str(stale))
+    with pytest.raises(RayUnreachable, match="no Ray cluster was started on this machine"):
+        probe_ray("auto", timeout=2, current_file=str(tmp_path / "missing"))
+    with pytest.raises(RayUnreachable, match="not host:port"):
+        probe_ray("nonsense", timeout=2)
+    # negative control: a listening address is accepted
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        live = f"127.0.0.1:{srv.getsockname()[1]}"
+        assert probe_ray(live, timeout=2) == live
+        assert probe_ray(f"ray://{live}", timeout=2) == live
+
+
+def test_run_with_an_unreachable_cluster_exits_2_and_starts_nothing(tmp_path):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "nowhere", "storage": str(tmp_path / "ray_results"),
+        "common": {"train_size": 64, "test_size": 32, "certify_images": 0},
+        "trainables": [{"name": "pixeldp", "search": {"epochs": 1}}]}))
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{_free_port()}", "PYTHONPATH": str(ROOT)}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "sweeps.cli", "run", str(spec), "--tracking-uri",
+                           f"sqlite:///{tmp_path}/mlflow.db"], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("dpsweep: error")]
+    assert proc.returncode == 2 and len(errors) == 1 and "no Ray cluster answers" in errors[0], proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 120
+    assert not list((tmp_path / "ray_results").glob("nowhere-*"))   # no experiment, no parent run
+
+
+@pytest.fixture
+def foreign_ray():
+    """Another user's single-node Ray on this machine, recorded where `ray init` looks for one."""
+    backup = Path(CURRENT_CLUSTER_FILE).read_text() if Path(CURRENT_CLUSTER_FILE).exists() else None
+    port = _free_port()
+    ray_bin = Path(sys.executable).with_name("ray")
+    proc = subprocess.Popen([str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=1", "--block",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if Path(CURRENT_CLUSTER_FILE).read_text().strip().endswith(f":{port}"):
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.skip("ray start --head did not come up within 120 s")
+        yield Path(CURRENT_CLUSTER_FILE).read_text().strip()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if backup is None:
+            Path(CURRENT_CLUSTER_FILE).unlink(missing_ok=True)
+        else:
+            Path(CURRENT_CLUSTER_FILE).write_text(backup)
+
+
+def test_a_sweep_does_not_join_someone_elses_local_ray(foreign_ray, monkeypatch):
+    import ray
+
+    from sweeps.runner import ray_init
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if ray.is_initialized():
+        ray.shutdown()
+    try:
+        line = ray_init()
+        ours = ray.get_runtime_context().gcs_address
+        assert line.startswith("Ray: a private local instance")
+        assert ours != foreign_ray                        # joined before the fix ("Connecting to latest cluster")
+    finally:
+        ray.shutdown()
