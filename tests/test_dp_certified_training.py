@@ -20,7 +20,6 @@ from torch.func import functional_call, grad, vmap
 
 from dpmech.dpsgd.certified import DPCertConfig, DPCertTrainer, consistency_loss, per_example_objective
 from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer
-from dpmech.privacy.clipping import BookKeeper
 from dpmech.privacy.secret import NoiseKey
 
 B, K, C, SIGMA, LAMBDA, ETA = 6, 3, 0.05, 0.5, 4.0, 0.5
@@ -68,8 +67,7 @@ def clipped_sum(route: str, x, y, z, keep, trainer_cls=DPCertTrainer, **kw) -> t
     cfg = config("flat" if route == "flat" else "bk", **kw)
     tr = trainer_cls(model, x, y, cfg, noise_key=NoiseKey.reproducible(0))
     if route != "flat":
-        tr.bookkeeper.remove()
-        tr.bookkeeper = BookKeeper(tr.model, prefer=route, rows_per_example=cfg.augment_multiplicity)
+        tr.bookkeeper.prefer = route        # the trainer's own BookKeeper, forced onto one route
     keep = torch.as_tensor(keep)
     tr.augmentation_noise = lambda xb: z[:, keep]
     before = torch.cat([p.detach().flatten().clone() for p in tr.model.parameters()])
@@ -79,7 +77,7 @@ def clipped_sum(route: str, x, y, z, keep, trainer_cls=DPCertTrainer, **kw) -> t
     return (before - after) * B        # lr 1: p <- p - S / B
 
 
-def reference(x, y, z, keep, weight=LAMBDA) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(x, y, z, keep, weight=LAMBDA, c_max=C) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.func in float64: g_i = grad of l_i from example i's own k rows; sum_i min(1, C/||g_i||) g_i
     (Opacus's factor C / (||g_i|| + 1e-6)); also the norms ||g_i||."""
     model = small_net()
@@ -93,7 +91,7 @@ def reference(x, y, z, keep, weight=LAMBDA) -> tuple[torch.Tensor, torch.Tensor]
     g = vmap(grad(loss_i), in_dims=(None, 0, 1, 0))(params, x[keep], z[:, keep], y[keep])
     flat = torch.cat([g[n].reshape(len(keep), -1) for n in params], 1)
     norms = flat.norm(dim=1)
-    c = (C / (norms + 1e-6)).clamp(max=1.0)
+    c = (c_max / (norms + 1e-6)).clamp(max=1.0)
     return (c[:, None] * flat).sum(0), norms
 
 
@@ -114,6 +112,18 @@ def test_k_augmentations_and_regulariser_are_one_clipped_contribution(route, dat
         moves.append(float((s - clipped_sum(route, x, y, z, rest)).norm()) / C)
     assert max(moves) <= 1 + 1e-9, moves
     assert min(moves) > 1 - 1e-6                     # each removal moves S by exactly C (clipped examples)
+
+
+@pytest.mark.parametrize("route", ["ghost", "bmm_f", "flat"])
+def test_unclipped_sum_is_the_sum_of_the_per_example_gradients(route, data):
+    """C far above every norm: nothing is clipped, so a wrong scale of g_i (e.g. k g_i) would show
+    (with every example clipped, clip(k g_i) = clip(g_i) hides it)."""
+    x, y, z = data
+    everyone = list(range(B))
+    ref, norms = reference(x, y, z, everyone, c_max=1e3)
+    assert (norms < 1e3 / 10).all()
+    s = clipped_sum(route, x, y, z, everyone, max_grad_norm=1e3)
+    assert torch.allclose(s, ref, rtol=1e-8, atol=1e-12), (s - ref).norm()
 
 
 @pytest.mark.parametrize("route", ["ghost", "flat"])
