@@ -111,7 +111,7 @@ def pydantic_rule(err: dict) -> str:
         if isinstance(value, str):
             try:
                 float(value)
-                hint = " (YAML reads a number without a dot, like 1e-3, as a string: write 1.0e-3)"
+                hint = f" (YAML reads {value.strip()} as a string: write {yaml_float(value)})"
             except ValueError:
                 pass
         return f"must be a number{got}{hint}"
@@ -503,6 +503,18 @@ def repeat_seed(seed: int, repeat: int) -> int:
     """The seed of repeat ``repeat`` of a trial whose configured seed is ``seed``:
     ``seed + 1_000_003 * repeat`` (repeat 0 keeps the configured seed; docs/specs.md)."""
     return int(seed) + REPEAT_SEED_STRIDE * int(repeat)
+
+
+def yaml_float(text: str) -> str:
+    """How to write the number ``text`` so that YAML 1.1 (PyYAML) reads a float: a dot in the
+    mantissa and a signed exponent (``1e-3`` -> ``1.0e-3``, ``1.0e6`` -> ``1.0e+6``)."""
+    text = text.strip()
+    mantissa, sep, exponent = text.lower().partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    if sep and exponent[:1] not in ("+", "-"):
+        exponent = "+" + exponent
+    return f"{mantissa}e{exponent}" if sep else mantissa
 
 
 def expand(spaces: Iterable[TrainableSpace], num_samples: int, seed: int) -> list[dict]:

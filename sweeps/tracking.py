@@ -190,8 +190,13 @@ def reopen_parent_run(info: dict) -> None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(info["tracking_uri"])
-    retry(lambda: client.update_run(info["parent_run_id"], status="RUNNING"), what="update_run(parent)")
-    retry(lambda: client.set_tag(info["parent_run_id"], "dpsweep.interrupted", "resumed"), what="set_tag")
+    parent = info["parent_run_id"]
+    tags = retry(lambda: client.get_run(parent), what="get_run(parent)").data.tags
+    retry(lambda: client.update_run(parent, status="RUNNING"), what="update_run(parent)")
+    if "dpsweep.interrupted" in tags:   # only a sweep that was interrupted is "resumed"
+        retry(lambda: client.set_tag(parent, "dpsweep.interrupted", "resumed"), what="set_tag")
+    if "dpsweep.error" in tags:         # the crash it recorded is over: a resumed sweep ends with its own state
+        retry(lambda: client.delete_tag(parent, "dpsweep.error"), what="delete_tag(error)")
 
 
 def stop_parent_run(info: dict, status: str, note: str) -> int:
