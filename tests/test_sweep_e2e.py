@@ -173,6 +173,11 @@ def test_crash_mid_training_resumes_into_the_same_run(tmp_path, ray_local):
         hist = client.get_metric_history(run.info.run_id, "train_loss")
         assert sorted(h.step for h in hist) == [1, 2, 3]
         assert run.info.status == "FINISHED"
+        assert "dpsweep.error" not in run.data.tags          # finished: no error tag (issue 33, point 7)
+    retried = [r for r in children if "dpsweep.error_retried" in r.data.tags]
+    assert len(retried) == 1 and "injected crash" in retried[0].data.tags["dpsweep.error_retried"]
+    path = client.download_artifacts(retried[0].info.run_id, "error/traceback.txt", str(tmp_path))
+    assert "RuntimeError: injected crash after the first checkpoint" in Path(path).read_text()
 
 
 def test_interrupted_sweep_finished_by_resume(tmp_path):

@@ -246,6 +246,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         if tracker:
             tracker.log_metrics(final["metrics"], step=cfg.epochs)
             log_final_artifacts(tracker, mech, final, cfg)
+            clear_failure(tracker)   # an earlier attempt's error: its traceback stays under error/
             tracker.finish()
             finished = True
         # the final result also carries the last epoch's metrics: a searcher or scheduler reads
@@ -256,11 +257,44 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         # Ray stops a trial (a scheduler's early stop, the end of the sweep) with BaseExceptions of
         # its own: the run is KILLED, not FAILED, and a run already FINISHED stays so.
         if tracker and not finished:
+            if isinstance(exc, Exception):
+                try:
+                    record_failure(tracker, exc)
+                except Exception:  # noqa: BLE001 - keep the original error
+                    pass
             try:
                 tracker.finish("FAILED" if isinstance(exc, Exception) else "KILLED")
             except Exception:  # noqa: BLE001 - keep the original error
                 pass
         raise
+
+
+TAG_ERROR = "dpsweep.error"
+
+
+def clear_failure(tracker) -> None:
+    """A retry that finished: the run's ``dpsweep.error`` tag (an earlier attempt's) becomes
+    ``dpsweep.error_retried`` (the run is FINISHED; the traceback stays in ``error/``)."""
+    from trainables.tracking import retry
+
+    tags = retry(lambda: tracker.client.get_run(tracker.run_id), what="get_run").data.tags
+    if TAG_ERROR in tags:
+        tracker.set_tag("dpsweep.error_retried", tags[TAG_ERROR])
+        retry(lambda: tracker.client.delete_tag(tracker.run_id, TAG_ERROR), what="delete_tag(error)")
+
+
+def record_failure(tracker, exc: BaseException) -> None:
+    """A failed trial's run says why (issue 33, point 7): the exception's last line as the tag
+    ``dpsweep.error`` and the whole traceback as the artifact ``error/traceback.txt``."""
+    import traceback
+
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    last = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    tracker.set_tag(TAG_ERROR, (last[-1] if last else type(exc).__name__)[:5000])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "traceback.txt"
+        path.write_text(text)
+        tracker.log_artifact(str(path), "error")
 
 
 def trial_noise_key(cfg: CommonConfig, trainable: str, config: dict, sweep_key=None):
