@@ -326,7 +326,8 @@ def summarize(result_grid, extra_metrics=()) -> tuple[list[dict], dict[str, floa
         for k, val in m.items():
             if k.startswith(("acc_", "cert_acc_", "smooth_cert_acc_")) or k in ("epsilon", "delta", *extra_metrics):
                 row[k] = val
-        row["status"] = "ERROR" if r.error else ("DONE" if m.get("evaluated") else "STOPPED")
+        row["status"] = ("ERROR" if r.error else "DIVERGED" if m.get("diverged") == 1
+                         else "DONE" if m.get("evaluated") else "STOPPED")
         row["!"] = "!" if m.get("not_learned") == 1 else ""  # did not learn (NOT_LEARNED_LEGEND)
         failed += int(r.error is not None)
         rows.append(row)

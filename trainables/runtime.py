@@ -218,7 +218,8 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
                                  TAG_DIAGNOSTICS: ", ".join(logged) if cfg.diagnostics else "none"})
     finished = False
     try:
-        while mech.epoch < cfg.epochs:
+        diverged = meta.get("diverged")
+        while mech.epoch < cfg.epochs and not diverged:
             t0 = time.perf_counter()
             metrics = mech.train_epoch()
             if not cfg.diagnostics:  # a release: the noise-free training-data statistics go nowhere
@@ -227,6 +228,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
             meta["compute_seconds"] = meta.get("compute_seconds", 0.0) + time.perf_counter() - t0
             epoch = mech.epoch
             meta["history"].append({"epoch": epoch, **metrics})
+            diverged = meta["diverged"] = diverged_after(mech, epoch)
             if tracker:
                 tracker.log_metrics({k: metrics[k] for k in ("train_loss", "test_acc") if k in metrics}, step=epoch)
             with tempfile.TemporaryDirectory() as tmp:
@@ -235,10 +237,13 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
 
         t0 = time.perf_counter()
         last_loss = meta["history"][-1].get("train_loss") if meta["history"] else None
-        final = evaluate(mech, cfg, xt, yt, train_loss=last_loss)
+        if diverged:   # nothing to evaluate: a status, not a score (no retry: it would diverge again)
+            final = {"metrics": {"diverged": 1.0, **mech.privacy()}, "certification": None, "smoothing": None}
+        else:
+            final = evaluate(mech, cfg, xt, yt, train_loss=last_loss)
         if not cfg.diagnostics:
             final["metrics"] = drop(final["metrics"], diagnostic_names(schema))
-        if audit_settings(cfg) is not None:  # black-box canaries, or the engine's white-box ones
+        if audit_settings(cfg) is not None and not diverged:  # black-box canaries, or the engine's white-box ones
             final["metrics"].update(run_audit(mech, canaries, cfg, final["metrics"].get("delta", 0.0),
                                               claim=calibrated_epsilon(cfg, final["metrics"])))
         # time spent training and evaluating, without logging and checkpointing (all attempts)
@@ -246,6 +251,8 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         if tracker:
             tracker.log_metrics(final["metrics"], step=cfg.epochs)
             log_final_artifacts(tracker, mech, final, cfg)
+            if diverged:
+                tracker.set_tag(TAG_DIVERGED, diverged)
             clear_failure(tracker)   # an earlier attempt's error: its traceback stays under error/
             tracker.finish()
             finished = True
@@ -270,6 +277,19 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
 
 
 TAG_ERROR = "dpsweep.error"
+TAG_DIVERGED = "dpsweep.diverged"
+
+
+def diverged_after(mech, epoch: int) -> str | None:
+    """A description when the model's parameters are no longer finite after ``epoch`` (the trial
+    diverged: issue 33, point 8), else None. A function of the released parameters only, so the
+    check is post-processing and costs no privacy (the training loss, computed on the training
+    data without noise, is not used)."""
+    bad = [name for name, p in mech.model.named_parameters() if not torch.isfinite(p).all()]
+    if not bad:
+        return None
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    return f"non-finite parameters after epoch {epoch} ({bad[0]}{more}): lower lr or max_grad_norm"
 
 
 def clear_failure(tracker) -> None:
