@@ -97,3 +97,36 @@ def test_docs_table_states_n_images_domains_and_met_or_missed(tmp_path):
     res.write_text(json.dumps(summary))
     bench.write_docs(res, doc)
     assert "old" not in doc.read_text() and "94.5" in doc.read_text()
+
+
+def test_shipped_spec_at_its_local_subset_builds_and_steps_every_kind_of_trial():
+    """sweeps/dp_certified_mnist.yaml with the subset its comment suggests: it validates and each
+    distinct training method of its grid (k = 1, k = 4, k = 4 with consistency) builds the trainer
+    the trial would and takes a step (the full sweep is hours of CPU: benchmarks/dp_certified_mnist.py)."""
+    from pathlib import Path
+
+    import torch
+
+    from dpmech.dpsgd.certified import DPCertTrainer
+    from sweeps.spec import expand_trials, load_spec
+    from trainables.dpsgd import DPSGDMechanism, DPSGDTrialConfig
+
+    path = Path(bench.__file__).resolve().parent.parent / "sweeps" / "dp_certified_mnist.yaml"
+    spec = load_spec(path, ["common.train_size=2000", "common.test_size=200", "common.certify_images=20",
+                            "common.certify_n=1000", "common.epochs=1"])
+    trials = expand_trials(spec)
+    assert len(trials) == 27 and {t["certifier"] for t in trials} == {"smoothing"}
+    kinds = {}
+    for t in trials:
+        kinds.setdefault((t["augment_multiplicity"], t["consistency_weight"]), t)
+    assert set(kinds) == {(1, 0.0), (4, 0.0), (4, 10.0)}
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(64, 1, 28, 28, generator=g) * 2 - 1
+    y = torch.randint(0, 10, (64,), generator=g)
+    for (k, lam), t in kinds.items():
+        cfg = DPSGDTrialConfig(**{**{key: v for key, v in t.items() if key != "trainable"}, "train_size": 64,
+                                  "batch_size": 16})
+        mech = DPSGDMechanism(cfg, x, y, torch.device("cpu"))
+        assert isinstance(mech.trainer, DPCertTrainer) == (k > 1)
+        mech.trainer.train_step()
+        assert mech.smoothing_classifier()[1] == t["noise_augmentation_sigma"]
