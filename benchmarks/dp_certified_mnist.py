@@ -29,7 +29,7 @@ targets of the issue.
 
     python benchmarks/dp_certified_mnist.py --cost                         # measure one configuration
     python benchmarks/dp_certified_mnist.py --methods dpcert --epsilons 3 --sigmas 0.5 --seeds 0 --n 10000
-    python benchmarks/dp_certified_mnist.py --docs                         # docs/dp_certified.md's table
+    python benchmarks/dp_certified_mnist.py --summary --docs               # rebuild the summary; the docs table
     python benchmarks/dp_certified_mnist.py --demo --out /tmp/demo.json    # seconds (the test suite)
 """
 
@@ -308,7 +308,14 @@ def summarize(runs: Path, out: Path | None = None, extra: dict | None = None) ->
         if k in old:
             payload[k] = old[k]
     payload.update(extra or {})
-    return write_result(NAME, payload, path)
+    # several unit processes may rebuild the summary at once: each through its own temporary file
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(path)
+    return path
 
 
 # ------------------------------------------------------------------ cost
@@ -425,15 +432,19 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/dp_certified_mnist_ckpt"))
     ap.add_argument("--cost", action="store_true", help="measure one configuration's cost into the 'cost' section")
     ap.add_argument("--docs", action="store_true", help="write docs/dp_certified.md's table from the results file")
+    ap.add_argument("--summary", action="store_true", help="only rebuild the results file from the unit files")
     ap.add_argument("--demo", action="store_true",
                     help="a tiny run in seconds (512 images, batch 128, 1 epoch, 20 images at N 200)")
     ap.add_argument("--out", type=Path, default=None, help="write the summary here instead (demo: required)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.summary:
+        log(f"wrote {summarize(args.runs, args.out)}")
     if args.docs:
         write_docs(args.out)
-        return None
+    if args.summary or args.docs:
+        return read_result(args.out or RESULTS / f"{NAME}.json")
     if args.cost:
         cost = measure_cost()
         summarize(args.runs, args.out, extra={"cost": cost})
