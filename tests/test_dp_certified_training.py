@@ -18,11 +18,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
-from dpmech.dpsgd.certified import DPCertConfig, DPCertTrainer, consistency_loss, per_example_objective
+from dpmech.dpsgd.certified import DPCertConfig, DPCertTrainer, consistency_loss, per_example_objective, smoothadv
 from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer
 from dpmech.privacy.secret import NoiseKey
 
 B, K, C, SIGMA, LAMBDA, ETA = 6, 3, 0.05, 0.5, 4.0, 0.5
+ADV_RADIUS, ADV_STEPS = 0.5, 2
 
 
 def small_net() -> nn.Module:
@@ -77,11 +78,16 @@ def clipped_sum(route: str, x, y, z, keep, trainer_cls=DPCertTrainer, **kw) -> t
     return (before - after) * B        # lr 1: p <- p - S / B
 
 
-def reference(x, y, z, keep, weight=LAMBDA, c_max=C) -> tuple[torch.Tensor, torch.Tensor]:
+def reference(x, y, z, keep, weight=LAMBDA, c_max=C, adv=0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.func in float64: g_i = grad of l_i from example i's own k rows; sum_i min(1, C/||g_i||) g_i
-    (Opacus's factor C / (||g_i|| + 1e-6)); also the norms ||g_i||."""
+    (Opacus's factor C / (||g_i|| + 1e-6)); also the norms ||g_i||. ``adv`` > 0: each example's
+    SmoothAdv input computed from that example ALONE (a batch of one), then held fixed."""
     model = small_net()
     params = {n: p.detach() for n, p in model.named_parameters()}
+    if adv > 0:
+        x = x.clone()
+        for i in keep:
+            x[i:i + 1] = smoothadv(model, x[i:i + 1], y[i:i + 1], z[:, i:i + 1], adv, ADV_STEPS)
 
     def loss_i(prm, xi, zi, yi):
         logits = functional_call(model, prm, (xi.unsqueeze(0) + zi,))         # [k, K]
@@ -112,6 +118,40 @@ def test_k_augmentations_and_regulariser_are_one_clipped_contribution(route, dat
         moves.append(float((s - clipped_sum(route, x, y, z, rest)).norm()) / C)
     assert max(moves) <= 1 + 1e-9, moves
     assert min(moves) > 1 - 1e-6                     # each removal moves S by exactly C (clipped examples)
+
+
+@pytest.mark.parametrize("route", ["ghost", "bmm_f", "flat"])
+def test_smoothadv_inputs_and_their_loss_are_one_clipped_contribution(route, data):
+    """SmoothAdv on top of k augmentations and the regulariser: the attacked input of each example
+    depends on that example alone (the reference attacks it in a batch of one), its loss is clipped
+    once, and every removal moves the clipped sum by exactly C."""
+    x, y, z = data
+    everyone = list(range(B))
+    ref, norms = reference(x, y, z, everyone, adv=ADV_RADIUS)
+    plain, _ = reference(x, y, z, everyone)
+    assert (norms > 2 * C).all() and (ref - plain).norm() > 0.1 * C      # the attack changed the step
+    kw = dict(smoothadv_radius=ADV_RADIUS, smoothadv_steps=ADV_STEPS)
+    s = clipped_sum(route, x, y, z, everyone, **kw)
+    assert torch.allclose(s, ref, rtol=1e-7, atol=1e-11), (s - ref).norm()
+    moves = [float((s - clipped_sum(route, x, y, z, [j for j in everyone if j != i], **kw)).norm()) / C
+             for i in everyone]
+    assert max(moves) <= 1 + 1e-9 and min(moves) > 1 - 1e-6, moves
+
+
+def test_smoothadv_stays_in_the_ball_and_the_domain_and_lowers_the_smoothed_probability():
+    model = small_net()
+    g = torch.Generator().manual_seed(7)
+    x = torch.rand(5, 1, 8, 8, generator=g, dtype=torch.float64) * 2 - 1
+    y = torch.randint(0, 4, (5,), generator=g)
+    z = torch.randn(3, 5, 1, 8, 8, generator=g, dtype=torch.float64) * SIGMA
+    xa = smoothadv(model, x, y, z, 0.5, 3)
+    assert ((xa - x).flatten(1).norm(dim=1) <= 0.5 + 1e-9).all() and xa.abs().max() <= 1
+
+    def p_y(inp):
+        with torch.no_grad():
+            logits = model((inp.unsqueeze(0) + z).reshape(15, 1, 8, 8)).reshape(3, 5, -1)
+        return torch.softmax(logits, -1)[:, torch.arange(5), y].mean(0)
+    assert (p_y(xa) < p_y(x)).all()
 
 
 @pytest.mark.parametrize("route", ["ghost", "bmm_f", "flat"])
@@ -203,6 +243,11 @@ def test_training_runs_and_checkpoints_on_bk():
     (dict(consistency_weight=-1.0), "consistency_weight"),
     (dict(consistency_eta=-0.1), "consistency_eta"),
     (dict(clipping="ghost"), "clipping"),
+    (dict(augment_multiplicity=1, consistency_weight=0.0, clipping="ghost"), "clipping"),
+    (dict(smoothadv_radius=-0.1), "smoothadv_radius"),
+    (dict(smoothadv_radius=0.5, smoothadv_steps=0), "smoothadv_steps"),
+    (dict(smoothadv_radius=0.5, noise_augmentation_sigma=0.0, augment_multiplicity=1, consistency_weight=0.0),
+     "smoothadv_radius"),
 ])
 def test_bad_settings_fail_with_one_line_naming_the_key(kw, message):
     base = dict(epsilon=1.0, noise_augmentation_sigma=0.5, augment_multiplicity=2, consistency_weight=1.0)
@@ -218,6 +263,7 @@ def test_bad_settings_fail_with_one_line_naming_the_key(kw, message):
     (dict(augment_multiplicity=2), "augment_multiplicity"),                       # no noise_augmentation_sigma
     (dict(consistency_weight=1.0, noise_augmentation_sigma=0.5), "consistency_weight"),   # k = 1
     (dict(augment_multiplicity=2, noise_augmentation_sigma=0.5, clipping="ghost"), "clipping"),
+    (dict(smoothadv_radius=0.5), "smoothadv_radius"),                             # no noise_augmentation_sigma
     (dict(augment_multiplicity=2, noise_augmentation_sigma=0.5, audit={"mode": "whitebox", "canaries": 100}),
      "audit.canary"),
 ])
@@ -238,11 +284,13 @@ def test_trial_keys_build_the_certified_trainer():
     x = torch.rand(64, 1, 28, 28, generator=g) * 2 - 1
     y = torch.randint(0, 10, (64,), generator=g)
     cfg = DPSGDTrialConfig(train_size=64, batch_size=16, model="tb_cnn", noise_augmentation_sigma=1.0,
-                           augment_multiplicity=3, consistency_weight=2.0, consistency_eta=0.25)
+                           augment_multiplicity=3, consistency_weight=2.0, consistency_eta=0.25,
+                           smoothadv_radius=0.5, smoothadv_steps=2)
     mech = DPSGDMechanism(cfg, x, y, torch.device("cpu"))
     assert isinstance(mech.trainer, DPCertTrainer)
     assert mech.trainer.bookkeeper.rows_per_example == 3
-    assert (mech.trainer.config.consistency_weight, mech.trainer.config.consistency_eta) == (2.0, 0.25)
+    c = mech.trainer.config
+    assert (c.consistency_weight, c.consistency_eta, c.smoothadv_radius, c.smoothadv_steps) == (2.0, 0.25, 0.5, 2)
     mech.trainer.train_step()
     plain = DPSGDMechanism(DPSGDTrialConfig(train_size=64, batch_size=16), x, y, torch.device("cpu"))
     assert type(plain.trainer) is DPSGDTrainer

@@ -109,6 +109,12 @@ class DPSGDTrialConfig(CommonConfig):
     consistency_eta: float = Field(
         0.5, ge=0, allow_inf_nan=False,
         description="eta of the consistency regulariser's entropy term (used only with consistency_weight > 0)")
+    smoothadv_radius: float = Field(
+        0.0, ge=0, allow_inf_nan=False,
+        description="SmoothAdv (Salman et al. 2019): l2 radius ([-1, 1] domain) of a PGD attack on each example's "
+                    "soft smoothed classifier at its own augmentations before its loss (0 = off); needs "
+                    "noise_augmentation_sigma > 0 and clipping bk or flat")
+    smoothadv_steps: int = Field(1, ge=1, description="SmoothAdv's PGD steps (step size 2 radius / steps)")
 
     protects_training_examples: ClassVar[bool] = True
     supports_whitebox_audit: ClassVar[bool] = True   # trains with the DP-SGD engine (audit: {mode: whitebox})
@@ -147,13 +153,13 @@ class DPSGDTrialConfig(CommonConfig):
     def _certified_rules(self) -> None:
         """augment_multiplicity / consistency_weight: the rules of dpmech.dpsgd.certified.DPCertConfig
         (one line naming the key), checked here so that a spec fails at validation."""
-        if self.augment_multiplicity == 1 and self.consistency_weight == 0:
+        if self.augment_multiplicity == 1 and self.consistency_weight == 0 and self.smoothadv_radius == 0:
             return
         dpsgd_config(self)
         audit = getattr(self, "audit", None) or {}
         if audit.get("mode") == "whitebox" and audit.get("canary", "engine") in ("engine", None):
             raise ValueError("audit.canary: engine canaries are rows of the plain DP-SGD loss; with "
-                             "augment_multiplicity > 1 or consistency_weight > 0 use 'inserted'")
+                             "augment_multiplicity > 1, consistency_weight > 0 or smoothadv_radius > 0 use 'inserted'")
 
     def _feature_rules(self) -> None:
         """``features`` and ``model`` go together (scatternet with linear / scatter_cnn only); with
@@ -199,12 +205,13 @@ def dpsgd_config(cfg: DPSGDTrialConfig):
               momentum=cfg.momentum, weight_decay=cfg.weight_decay, clipping=cfg.clipping,
               noise_augmentation_sigma=cfg.noise_augmentation_sigma, accountant=cfg.accountant,
               seed=cfg.seed)
-    if cfg.augment_multiplicity > 1 or cfg.consistency_weight > 0:
+    if cfg.augment_multiplicity > 1 or cfg.consistency_weight > 0 or cfg.smoothadv_radius > 0:
         # k augmentations / the consistency regulariser inside each example's loss (docs/dp_certified.md)
         from dpmech.dpsgd.certified import DPCertConfig
 
         return DPCertConfig(**kw, augment_multiplicity=cfg.augment_multiplicity,
-                            consistency_weight=cfg.consistency_weight, consistency_eta=cfg.consistency_eta)
+                            consistency_weight=cfg.consistency_weight, consistency_eta=cfg.consistency_eta,
+                            smoothadv_radius=cfg.smoothadv_radius, smoothadv_steps=cfg.smoothadv_steps)
     return DPSGDConfig(**kw)
 
 

@@ -30,6 +30,15 @@ example's whole contribution is still ONE gradient clipped to norm <= C:
   authors' code notes that its 'default' loss computes the entropy term differently; we take the
   paper's formula).
 
+* **SmoothAdv** (Salman et al., "Provably Robust Deep Learning via Adversarially Trained Smoothed
+  Classifiers", NeurIPS 2019, Sec. 3, SmoothAdv_PGD with the m = k noise draws fixed during the
+  attack): with ``smoothadv_radius`` eps > 0, each example's input is first moved within the l2
+  ball of radius eps ([-1, 1] domain, kept in [-1, 1]) by ``smoothadv_steps`` normalised gradient
+  steps of size 2 eps / steps that lower log((1/k) sum_j softmax(f(x' + z_ij))_{y_i}) (the soft
+  smoothed classifier's probability of the label, at example i's own draws), then l_i (and L_con,i)
+  is computed at x'_i + z_ij. x'_i depends on (x_i, y_i, z_i, the parameters) only, and is held
+  fixed (detached) in the gradient that is clipped, as in the paper's training.
+
 Neither changes the privacy analysis: the sampling, C, sigma, the noise and the ledger are
 :class:`~dpmech.dpsgd.trainer.DPSGDTrainer`'s (tests/test_dp_certified_training.py checks on
 every clipping route, against a ``torch.func`` per-example reference in float64, that removing an
@@ -61,26 +70,33 @@ class DPCertConfig(DPSGDConfig):
     augment_multiplicity: int = 1       # k Gaussian augmentations per example, averaged in its loss
     consistency_weight: float = 0.0     # lambda of Jeong & Shin's KL term (0: no regulariser)
     consistency_eta: float = 0.5        # eta of their entropy term (used only with consistency_weight > 0)
+    smoothadv_radius: float = 0.0       # SmoothAdv's l2 eps, [-1, 1] domain (0: no attack)
+    smoothadv_steps: int = 1            # its PGD steps (step size 2 eps / steps)
 
     def validate(self) -> None:
         super().validate()
         k = v.positive_int("augment_multiplicity", self.augment_multiplicity)
         lam = v.non_negative("consistency_weight", self.consistency_weight)
         v.non_negative("consistency_eta", self.consistency_eta)
+        adv = v.non_negative("smoothadv_radius", self.smoothadv_radius)
+        v.positive_int("smoothadv_steps", self.smoothadv_steps)
+        if adv > 0 and self.noise_augmentation_sigma <= 0:
+            raise ValueError("smoothadv_radius: > 0 needs noise_augmentation_sigma > 0 (SmoothAdv attacks the "
+                             "smoothed classifier)")
         if k > 1 and self.noise_augmentation_sigma <= 0:
             raise ValueError("augment_multiplicity: k > 1 needs noise_augmentation_sigma > 0 (k noiseless copies of "
                              "an example are the same input)")
         if lam > 0 and k < 2:
             raise ValueError("consistency_weight: > 0 needs augment_multiplicity >= 2 (the consistency is between an "
                              "example's own noise augmentations)")
-        if self.private and self.clipping == "ghost" and self.multi_row:
+        if self.private and self.clipping == "ghost":
             raise ValueError("clipping: 'ghost' (Opacus) would clip each of an example's augment_multiplicity rows as "
                              "an example of its own (sensitivity k C); use 'bk' or 'flat'")
 
     @property
     def multi_row(self) -> bool:
-        """True when an example's loss spans several rows (k > 1 or the regulariser)."""
-        return self.augment_multiplicity > 1 or self.consistency_weight > 0
+        """True when the per-example loss is not plain DP-SGD's (k > 1, the regulariser or SmoothAdv)."""
+        return self.augment_multiplicity > 1 or self.consistency_weight > 0 or self.smoothadv_radius > 0
 
 
 def consistency_loss(logits: torch.Tensor, weight: float, eta: float) -> torch.Tensor:
@@ -105,6 +121,32 @@ def per_example_objective(logits: torch.Tensor, y: torch.Tensor, weight: float =
     if weight > 0:
         ce = ce + consistency_loss(logits, weight, eta)
     return ce
+
+
+def smoothadv(model, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor, radius: float, steps: int,
+              forward=None) -> torch.Tensor:
+    """SmoothAdv_PGD (Salman et al. 2019, Sec. 3) per example: x' in the l2 ball of ``radius`` around
+    each x_i (and in [-1, 1]) lowering log((1/k) sum_j softmax(f(x'_i + z_ij))_{y_i}) by ``steps``
+    steps of 2 radius / steps along the l2-normalised gradient; z [k, B, ...] fixed. The objective
+    is a sum over examples of terms of one example each, so row i of the gradient, and x'_i,
+    depend on example i only (for a model that treats each example alone). Returns x' detached."""
+    forward = forward or model
+    k, b = z.shape[0], x.shape[0]
+    x0 = x.detach()
+    xa = x0.clone()
+    step = 2.0 * radius / steps
+    flat = (b,) + (1,) * (x.dim() - 1)
+    for _ in range(steps):
+        xa.requires_grad_(True)
+        logits = forward((xa.unsqueeze(0) + z).reshape((k * b,) + tuple(x.shape[1:]))).reshape(k, b, -1)
+        p_y = F.softmax(logits, -1).gather(-1, y.view(1, b, 1).expand(k, b, 1)).squeeze(-1).mean(0)   # [B]
+        (g,) = torch.autograd.grad(-p_y.clamp_min(1e-12).log().sum(), xa)
+        with torch.no_grad():
+            g = g / g.flatten(1).norm(dim=1).clamp_min(1e-12).view(flat)
+            d = xa + step * g - x0
+            d = d * (radius / d.flatten(1).norm(dim=1).clamp_min(radius)).view(flat)   # into the l2 ball
+            xa = (x0 + d).clamp(-1.0, 1.0)
+    return xa.detach()
 
 
 class DPCertTrainer(DPSGDTrainer):
@@ -152,7 +194,10 @@ class DPCertTrainer(DPSGDTrainer):
         first augmentation's logits, per-example losses), detached."""
         cfg = self.config
         k, b = cfg.augment_multiplicity, int(xb.shape[0])
-        inp = (xb.unsqueeze(0) + self.augmentation_noise(xb)).reshape((k * b,) + tuple(xb.shape[1:]))
+        z = self.augmentation_noise(xb)
+        if cfg.smoothadv_radius > 0 and b > 0:
+            xb = self.adversarial(xb, yb, z)
+        inp = (xb.unsqueeze(0) + z).reshape((k * b,) + tuple(xb.shape[1:]))
         bk = self.bookkeeper
         if bk is not None:
             bk.enabled = True
@@ -172,6 +217,19 @@ class DPCertTrainer(DPSGDTrainer):
         else:                   # the non-private baseline: DP-SGD's 1/B scaling, no clipping, no noise
             (per_example.sum() / cfg.batch_size).backward()
         return logits[0].detach(), per_example.detach()
+
+    def adversarial(self, xb: torch.Tensor, yb: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """SmoothAdv's x' (:func:`smoothadv`) on the plain model: no clipping hook records the attack's
+        passes (bk's hooks are off outside the training forward; Opacus's are switched off here)."""
+        cfg = self.config
+        hooks = self.gsm is not None and self.gsm.hooks_enabled
+        if hooks:
+            self.gsm.disable_hooks()
+        try:
+            return smoothadv(self.model, xb, yb, z, cfg.smoothadv_radius, cfg.smoothadv_steps)
+        finally:
+            if hooks:
+                self.gsm.enable_hooks()
 
     def _merge_rows(self, k: int, b: int) -> None:
         """Opacus (``loss_reduction='mean'``) scaled each of the kB rows' gradients by its row count kB,
