@@ -10,7 +10,10 @@ example's loss before clipping: DP-CERT's multiplicity) and ``consistency`` (the
 Shin 2020's consistency regulariser). Every unit writes
 ``benchmarks/results/dp_certified_mnist/<unit>.json`` as soon as it ends (a unit already there is
 skipped; ``claimed_unit`` lets several processes share the grid); training checkpoints every epoch
-under ``--ckpt-dir`` (and once trained, so an interrupted certification does not retrain).
+under ``--ckpt-dir`` (outside the repository: it holds the secret noise generator's state), and the
+trained weights and training record go to ``dp_certified_mnist/models/``, so that an interrupted
+certification, or a unit at another N (100,000 after 10,000), certifies the same model without
+training again.
 
 Domains: dpsweep's inputs are in [-1, 1]; the literature's l2 radii and sigmas are in [0, 1]
 pixels. radius_[0,1] = radius_[-1,1] / 2 and sigma likewise; every key says its domain (``_01``,
@@ -99,10 +102,16 @@ def key01(r: float) -> str:
     return f"{r:.2f}".rstrip("0").rstrip(".") if r != int(r) else f"{r:.1f}"
 
 
-def unit_stem(method: str, eps_row: str, sigma01: float, seed: int, split: str, n: int) -> str:
+def unit_stem(method: str, eps_row: str, sigma01: float, seed: int, split: str, n: int | None) -> str:
     """The unit's file name: e.g. ``dpcert_eps_3_sigma01-0.5_n100000_seed0`` (``val_`` in front on the
-    validation split)."""
-    return f"{'val_' if split == 'val' else ''}{method}_{eps_row}_sigma01-{key01(sigma01)}_n{n}_seed{seed}"
+    validation split); ``n`` None: the trained model's name (the same training serves every N)."""
+    tag = "" if n is None else f"_n{n}"
+    return f"{'val_' if split == 'val' else ''}{method}_{eps_row}_sigma01-{key01(sigma01)}{tag}_seed{seed}"
+
+
+TRAINING_KEYS = ("method", "epsilon_row", "seed", "split", "sigma_01", "sigma_pm1", "config", "train_images",
+                 "epsilon", "epsilon_pld", "delta", "noise_multiplier", "steps", "epoch_seconds", "threads",
+                 "acc_clean", "epsilon_delta_1e-6")
 
 
 def cert_subset(total: int, size: int, seed: int = CERT_SEED) -> np.ndarray:
@@ -176,8 +185,12 @@ def certify_model(model, sigma01: float, x, y, n: int, seed: int, n0: int = N0, 
 def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str = "test", n: int = 100_000,
              cert_images: int = 500, train_size: int | None = None, epochs: int | None = None,
              n0: int = N0, ckpt: Path | None = None, device=torch.device("cpu"), batch_size: int | None = None,
-             bk_prefer: str = "measured") -> dict:
-    """Train one unit, certify it, return its results (see the module docstring)."""
+             bk_prefer: str = "measured", models: Path | None = None) -> dict:
+    """Train one unit, certify it, return its results (see the module docstring). ``models``: the
+    folder of trained models: ``<model>.pt`` (the weights only: a DP release, nothing of the
+    secret noise) and ``<model>.json`` (the training record) are written there once trained, and a
+    unit whose model is already there is certified without training again (e.g. N = 100,000 on a
+    model trained for an N = 10,000 unit)."""
     from dpmech.dpsgd.certified import DPCertTrainer
     from dpmech.dpsgd.trainer import build_dpsgd_model
 
@@ -185,6 +198,21 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
     over = {k: v for k, v in (("epochs", epochs), ("batch_size", batch_size)) if v}
     cfg, recipe = make_config(eps_row, method, sigma01, seed, over)
     label = f"{method} {eps_row} sigma01 {sigma01} seed {seed}"
+    name = unit_stem(method, eps_row, sigma01, seed, split, None)
+    if models is not None and (models / f"{name}.pt").exists() and (models / f"{name}.json").exists():
+        import json
+
+        record = json.loads((models / f"{name}.json").read_text())
+        if record["config"] != cfg.to_dict():
+            raise SystemExit(f"{models / name}.json: trained with another configuration; not reused")
+        model = build_dpsgd_model("mnist", seed, recipe["model"])
+        model.load_state_dict(torch.load(models / f"{name}.pt", weights_only=True))
+        model.eval()
+        log(f"[{label}] the trained model {name} reused (no training)")
+        out = {"unit": unit_stem(method, eps_row, sigma01, seed, split, n), **record, "model": name,
+               "cert_index": [int(i) for i in cert_idx], "plain_inference_img_s": plain_inference_img_s(model, xt)}
+        out.update(certify_model(model, sigma01, xc, yc, n, seed, n0=n0))
+        return out
     trainer = DPCertTrainer(build_dpsgd_model("mnist", seed, recipe["model"]), x, y, cfg, device=device,
                             bk_prefer=bk_prefer)
     epoch_seconds = []
@@ -217,6 +245,13 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
            "acc_clean": 100.0 * trainer.accuracy(xt, yt), "cert_index": [int(i) for i in cert_idx]}
     eps6 = trainer.ledger.epsilon(1e-6, "rdp") if cfg.private else math.inf
     out["epsilon_delta_1e-6"] = eps6 if math.isfinite(eps6) else None
+    if models is not None:
+        import json
+
+        models.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), models / f"{name}.pt")
+        (models / f"{name}.json").write_text(json.dumps({k: out[k] for k in TRAINING_KEYS}, indent=1) + "\n")
+        out["model"] = name
     out["plain_inference_img_s"] = plain_inference_img_s(model, xt)
     log(f"[{label}] trained: acc_clean {out['acc_clean']:.2f}%, epsilon {out['epsilon']}; certifying "
         f"{xc.shape[0]} images at N = {n}")
@@ -467,7 +502,8 @@ def main(argv=None) -> dict | None:
         with claimed_unit(runs, stem) as path:
             if path is None:
                 continue
-            kw = dict(split=args.split, n=args.n, cert_images=args.cert_images, ckpt=args.ckpt_dir / f"{stem}.pt")
+            kw = dict(split=args.split, n=args.n, cert_images=args.cert_images, ckpt=args.ckpt_dir / f"{stem}.pt",
+                      models=runs / "models")
             if demo:
                 kw.update(train_size=512, epochs=1, batch_size=128, n0=20, ckpt=None, bk_prefer="mixed")
             result = run_unit(method, row, sigma, seed, **kw)

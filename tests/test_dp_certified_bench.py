@@ -130,3 +130,18 @@ def test_shipped_spec_at_its_local_subset_builds_and_steps_every_kind_of_trial()
         assert isinstance(mech.trainer, DPCertTrainer) == (k > 1)
         mech.trainer.train_step()
         assert mech.smoothing_classifier()[1] == t["noise_augmentation_sigma"]
+
+
+def test_a_unit_at_another_n_certifies_the_trained_model_without_training(demo, capsys):
+    models = demo.with_suffix("") / "models"
+    (weights,) = models.glob("*.pt")
+    assert weights.name == "dpcert_eps_3_sigma01-0.5_seed0.pt"
+    bench.main(["--demo", "--out", str(demo), "--methods", "dpcert", "--epsilons", "3", "--sigmas", "0.5",
+                "--n", "100"])
+    out = capsys.readouterr().out
+    assert "reused (no training)" in out and "epoch 1/1" not in out
+    units = json.loads(demo.read_text())["units"]
+    a, b = units["dpcert_eps_3_sigma01-0.5_n200_seed0"], units["dpcert_eps_3_sigma01-0.5_n100_seed0"]
+    assert (a["epsilon"], a["acc_clean"], a["model"]) == (b["epsilon"], b["acc_clean"], b["model"])
+    assert (a["n"], b["n"]) == (200, 100)
+    assert json.loads(demo.read_text())["eps_3"]["n"] == 200      # the top level takes the largest N run
