@@ -437,6 +437,15 @@ def docs_table(summary: dict) -> str:
                         ("dp_cert_eps_3", "anchor: DP-CERT, eps ~3 (delta 1e-6)")):
         rows.append(f"| {label} | " + " | ".join(f"{a[name][key01(r)]}" for r in HEADLINE_RADII_01)
                     + " | N 100,000, full test set | |")
+    ns = sorted({summary[row]["n"] for row in names if summary.get(row)})
+    if ns:
+        from scipy.stats import norm
+
+        rows.append("")
+        rows.append("The largest radius CERTIFY can return (every draw correct: p_A_lower = alpha^(1/N)), [0, 1] "
+                    "domain: " + "; ".join(f"N {n}: " + ", ".join(
+                        f"sigma_01 {s_} -> {s_ * norm.ppf(ALPHA ** (1.0 / n)):.2f}" for s_ in SIGMAS_01) for n in ns)
+                    + ". Figures at N = 10,000 explore the grid; the targets are for N = 100,000.")
     cost = summary.get("cost")
     if cost:
         tr = cost["train"]
