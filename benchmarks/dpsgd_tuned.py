@@ -119,7 +119,7 @@ def collect(row: str) -> dict:
     import yaml
 
     from sweeps.spec import validate_spec
-    from sweeps.tuning import end_to_end_epsilon
+    from sweeps.spec.tuning import end_to_end_epsilon
 
     spec = validate_spec(yaml.safe_load(SPECS[row].read_text()))
     client = mlflow.tracking.MlflowClient(tracking_uri())

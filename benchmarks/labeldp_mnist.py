@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
     log(f"non-private baseline: accuracy {result['baseline']['acc_clean']:.4f} (source 0.9882), "
         f"MSE {result['baseline']['mse']:.4f} (source 0.2431)")
     if args.plot:
-        from sweeps.report_labeldp import plot_labeldp
+        from sweeps.report.labeldp import plot_labeldp
 
         rows = [{**r, "epsilon": r["epsilon_config"]} for r in results]
         plot_labeldp(rows, args.plot)

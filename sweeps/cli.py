@@ -121,7 +121,7 @@ def _bounds(metadata) -> list[str]:
 
 
 def cmd_mechanisms(args) -> int:
-    from sweeps.spec_space import did_you_mean
+    from sweeps.spec.space import did_you_mean
     from trainables.registry import REGISTRY
 
     names = getattr(args, "name", None)
@@ -208,7 +208,7 @@ def _run(args, interrupts, sweep: dict) -> int:
     total = len(trials) if spec.search.algorithm != "optuna" else spec.search.num_samples
     tuning = None
     if spec.tuning_privacy is not None:
-        from sweeps.tuning import tuning_summary
+        from sweeps.spec.tuning import tuning_summary
 
         try:
             tuning = tuning_summary(spec)
@@ -454,7 +454,7 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     rows, summary, failed = summarize(results, extra_metrics=[spec.search.metric] if spec.search.metric else [])
     tuning = None
     if spec.tuning_privacy is not None:
-        from sweeps.tuning import candidates_beyond_guarantee, ran_trial_epsilon, tuning_summary
+        from sweeps.spec.tuning import candidates_beyond_guarantee, ran_trial_epsilon, tuning_summary
 
         try:   # the guarantee of what ran: the candidates' own per-trial epsilon, checked against their ledgers
             tuning = tuning_summary(spec, ran_trial_epsilon(spec, [r for r in rows if r.get("status") == "DONE"]))
@@ -473,7 +473,7 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     if released is not None:
         print(f"released: trial {released.get('trial_id', '?')} with {spec.search.metric} = "
               f"{released[spec.search.metric]:.4g} (the only output covered by the end-to-end guarantee)")
-    from sweeps.best import describe_best, record_best
+    from sweeps.report.best import describe_best, record_best
 
     try:  # the best trial and the compare view, tagged on the parent run (docs/metrics.md)
         best = record_best(info, spec, rows)

@@ -190,7 +190,7 @@ def trial_scheduler(spec):
         return None
     from ray.tune.schedulers import ASHAScheduler
 
-    from sweeps.spec_space import scheduler_metric
+    from sweeps.spec.space import scheduler_metric
 
     # a final metric (acc_clean) is compared through its per-epoch counterpart (test_acc)
     return ASHAScheduler(time_attr="training_iteration", metric=scheduler_metric(sch.metric), mode=sch.mode,

@@ -263,7 +263,7 @@ def record_selection(info: dict, spec, rows: list[dict], tuning: dict[str, float
     from mlflow.tracking import MlflowClient
     import time
 
-    from sweeps.tuning import best_row
+    from sweeps.spec.tuning import best_row
 
     client = MlflowClient(info["tracking_uri"])
     run_id = info["parent_run_id"]

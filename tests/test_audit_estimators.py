@@ -201,7 +201,7 @@ def test_randomized_response_is_not_called_refuted():
     assert 0.8 < out["audit_epsilon_lb"] <= 1.0 and out["audit_ratio"] <= 1.0
     assert out["audit_epsilon_lb_steinke"] <= 1.0
     assert out["audit_epsilon_gaussian_fdp"] > 1.2        # what was called a refutation before
-    from sweeps.report_audit import audit_rows
+    from sweeps.report.audit import audit_rows
     import pandas as pd
 
     row, = audit_rows(pd.DataFrame([{"run": "rr", "trainable": "labeldp", "epsilon": 1.0, "delta": 1e-5, **out}]))

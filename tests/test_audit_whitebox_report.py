@@ -10,9 +10,9 @@ import pytest
 
 from dpmech.privacy.audit.one_run import epsilon_lower_bound
 from dpmech.privacy.audit.estimators import run_estimators
-from sweeps.report import _md_table, _privacy_section
-from sweeps.report_audit import audit_rows, plot_claimed_vs_audited
-from sweeps.report_data import Sweep
+from sweeps.report.page import _md_table, _privacy_section
+from sweeps.report.audit import audit_rows, plot_claimed_vs_audited
+from sweeps.report.data import Sweep
 
 
 def _trial(run, claim, m, r, v, estimators, mode="whitebox"):

@@ -134,7 +134,7 @@ def test_audit_key_rules():
 
 
 def test_spec_knows_the_audit_metrics():
-    from sweeps.spec_space import reported_metrics
+    from sweeps.spec.space import reported_metrics
 
     config = {"trainable": "dpsgd", "audit": {"mode": "whitebox", "canaries": 10, "estimator": "fdp"}}
     got = reported_metrics("dpsgd", config)

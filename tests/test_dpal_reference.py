@@ -135,7 +135,7 @@ def test_certificates_first_upload_inverted_head_not():
 def test_trainable_reference_mode_metric_names_and_faithful_default():
     """evaluation: reference reports ref_* metrics only (no acc_*, cert_acc_*, epsilon); the default stays faithful."""
     from dpmech.datasets.splits import load_splits
-    from sweeps.spec_space import reported_metrics
+    from sweeps.spec.space import reported_metrics
     from trainables.dpal import DPALTrialConfig
     from trainables.dpal import DPALMechanism, ReferenceMechanism, _mechanism, reference_metric_names
 
@@ -189,7 +189,7 @@ def test_report_side_by_side_labels_reference_rows():
     rows labelled; a sweep with faithful DPAL only gets no such section."""
     import pandas as pd
 
-    from sweeps.report import REF_PROTOCOL_LABEL, _dpal_side_by_side
+    from sweeps.report.page import REF_PROTOCOL_LABEL, _dpal_side_by_side
 
     rows = []
     for ev in ("faithful", "reference"):

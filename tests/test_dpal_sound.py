@@ -253,7 +253,7 @@ def test_trainable_runs_a_trial_and_reports_its_metrics(monkeypatch):
     from ray import tune
 
     from dpmech.privacy.accounting import epsilon as eps_of
-    from sweeps.spec_space import reported_metrics
+    from sweeps.spec.space import reported_metrics
     from trainables.dpal_sound import DPALSoundTrialConfig, dpal_sound, privacy_event
 
     reports = []

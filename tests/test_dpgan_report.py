@@ -1,4 +1,4 @@
-"""The report's sample grids (sweeps/report_samples.py): every generative trial's logged
+"""The report's sample grids (sweeps/report/samples.py): every generative trial's logged
 ``samples/samples.png`` becomes a figure of the report; other trainables and trials without the
 artifact add none."""
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 
-from sweeps.report_samples import sample_grid_figures
+from sweeps.report.samples import sample_grid_figures
 
 
 class FakeClient:

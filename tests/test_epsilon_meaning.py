@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sweeps.spec_space import reported_metrics
+from sweeps.spec.space import reported_metrics
 from trainables.pixeldp import PixelDPTrialConfig
 from trainables.registry import REGISTRY
 

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from sweeps.spec import SpecError, validate_spec
-from sweeps.spec_space import yaml_float
+from sweeps.spec.space import yaml_float
 
 
 @pytest.mark.parametrize("text, written", [("1e-3", "1.0e-3"), ("1.0e6", "1.0e+6"), ("1e6", "1.0e+6"),

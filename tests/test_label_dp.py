@@ -370,7 +370,7 @@ def test_short_training_beats_chance_and_adapter_reports_metrics():
 def test_report_figure_from_a_trials_table(tmp_path):
     import pandas as pd
 
-    from sweeps.report_labeldp import FIGURE, labeldp_figures
+    from sweeps.report.labeldp import FIGURE, labeldp_figures
 
     rows = []
     for task in ("classification", "regression"):

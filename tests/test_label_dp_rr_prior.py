@@ -324,7 +324,7 @@ def test_trial_schema_and_adapter_run_lp2st():
 
 
 def test_report_figure_draws_every_method_from_a_benchmark_result(tmp_path):
-    from sweeps.report_labeldp import plot_labeldp, rows_from_benchmark
+    from sweeps.report.labeldp import plot_labeldp, rows_from_benchmark
 
     runs = {}
     for i, (task, m, e) in enumerate([("classification", "none", None), ("regression", "none", None)] +

@@ -219,7 +219,7 @@ def _sweep_with_children(uri: str, experiment: str, name: str, statuses: list[st
 
 def test_report_skips_a_latest_sweep_without_results(tmp_path, capsys):
     from sweeps.cli import main
-    from sweeps.report_data import load_sweep
+    from sweeps.report.data import load_sweep
 
     uri = _uri(tmp_path)
     _sweep_with_children(uri, "exp", "sweep-a", ["FINISHED", "FINISHED"])

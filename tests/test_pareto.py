@@ -1,7 +1,7 @@
 import math
 import random
 
-from sweeps.pareto import pareto_front
+from sweeps.report.pareto import pareto_front
 
 
 def dominated(i, eps, acc):

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 
-from sweeps.report_data import reference_from_params
+from sweeps.report.data import reference_from_params
 from sweeps.spec import SpecError, reference_matches, spec_to_flat_params, validate_spec
 
 BASE = {
@@ -96,7 +96,7 @@ def test_round_trip_through_the_parent_params():
 def test_a_published_average_over_attacks_is_checked_and_measured():
     import pandas as pd
 
-    from sweeps.report_data import measured
+    from sweeps.report.data import measured
 
     raw = {**copy.deepcopy(BASE), "common": {**BASE["common"], "attacks": {"fgsm": [0.2], "pgd": [0.2]}}}
     point = {"where": {"trainable": "dpsgd", "epsilon": 1.0}, "metrics": {"acc_attack_mean_0.2": 0.8}}

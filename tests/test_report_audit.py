@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import pandas as pd
 
-from sweeps.report import _privacy_section
-from sweeps.report_data import Sweep
+from sweeps.report.page import _privacy_section
+from sweeps.report.data import Sweep
 
 
 def _sweep(trials: pd.DataFrame) -> Sweep:

@@ -20,7 +20,7 @@ def _query(url: str) -> dict:
 
 
 def test_compare_url_is_mlflows_route_with_url_encoded_json_lists():
-    from sweeps.best import compare_url
+    from sweeps.report.best import compare_url
 
     url = compare_url("http://127.0.0.1:5000/", "7", ["a1", "b2"])
     assert url == ("http://127.0.0.1:5000/#/compare-runs?runs=%5B%22a1%22%2C%22b2%22%5D"
@@ -31,7 +31,7 @@ def test_compare_url_is_mlflows_route_with_url_encoded_json_lists():
 
 
 def test_ui_base_is_the_server_or_the_local_ui():
-    from sweeps.best import ui_base
+    from sweeps.report.best import ui_base
 
     assert ui_base("sqlite:////tmp/m.db") == "http://127.0.0.1:5000"
     assert ui_base("http://head:5000/") == "http://head:5000"
@@ -63,7 +63,7 @@ ROWS = [{"trial_id": "t0", "status": "DONE", "acc_clean": 0.80, "cfg.max_grad_no
 
 
 def test_record_best_tags_the_parent_with_the_best_trial_and_the_compare_view(sweep_store):
-    from sweeps.best import describe_best, record_best
+    from sweeps.report.best import describe_best, record_best
 
     client, info, children = sweep_store
     best = record_best(info, _spec(), ROWS)
@@ -84,7 +84,7 @@ def test_record_best_tags_the_parent_with_the_best_trial_and_the_compare_view(sw
 
 
 def test_without_a_metric_only_the_compare_view_is_tagged(sweep_store):
-    from sweeps.best import describe_best, record_best
+    from sweeps.report.best import describe_best, record_best
 
     client, info, _ = sweep_store
     best = record_best(info, _spec(metric=None), ROWS)
@@ -94,7 +94,7 @@ def test_without_a_metric_only_the_compare_view_is_tagged(sweep_store):
 
 
 def test_a_tuning_private_best_is_the_released_trial_and_says_so(sweep_store):
-    from sweeps.best import describe_best, record_best
+    from sweeps.report.best import describe_best, record_best
 
     _, info, _ = sweep_store
     line = describe_best(record_best(info, _spec(tuning=object()), ROWS), [], 3)
@@ -150,7 +150,7 @@ def test_compare_view_opens_on_parallel_coordinates_of_the_swept_keys(tmp_path):
     from mlflow.entities import Metric, Param
     from mlflow.tracking import MlflowClient
 
-    from sweeps.best import record_best
+    from sweeps.report.best import record_best
     from trainables.tracking import TAG_PARENT, TAG_TRIAL
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -196,7 +196,7 @@ def test_compare_view_opens_on_parallel_coordinates_of_the_swept_keys(tmp_path):
 def test_the_caveat_speaks_of_privacy_only_where_a_trial_claims_some():
     """PixelDP's epsilon is a robustness parameter: the best of a PixelDP sweep is a tuning choice,
     not a privacy question; a DP-SGD sweep's best is not covered without tuning_privacy."""
-    from sweeps.best import claims_privacy, selection_caveat
+    from sweeps.report.best import claims_privacy, selection_caveat
 
     assert not claims_privacy(["pixeldp"]) and claims_privacy(["pixeldp", "dpsgd"]) and claims_privacy(["dpsgd"])
     plain = selection_caveat(False, 4, claims_privacy(["pixeldp"]))

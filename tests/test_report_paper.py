@@ -90,7 +90,7 @@ def test_trials_table_carries_the_privacy_parameters_and_the_swept_keys(store, t
 
 
 def _capture(monkeypatch):
-    from sweeps import report_plots as rp
+    from sweeps.report import plots as rp
 
     figs = {}
     real = rp._save
@@ -135,7 +135,7 @@ def test_plain_log_ticks_negative_control():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from sweeps.report_plots import plain_log_axis
+    from sweeps.report.plots import plain_log_axis
 
     fig, ax = plt.subplots()
     ax.plot([0.5, 8.0], [0, 1])
@@ -172,7 +172,7 @@ def test_loss_near_chance_is_a_hint_in_the_table_not_a_verdict():
     not marked as not learned; the table carries the hint. Negative control: a chance-level one is."""
     import pandas as pd
 
-    from sweeps.report import aggregated_rows
+    from sweeps.report.page import aggregated_rows
 
     trials = pd.DataFrame([
         {"run_id": "a", "run": "a", "trainable": "dpsgd", "status": "FINISHED", "param.epsilon": 1.0,
@@ -192,8 +192,8 @@ def test_fig6_layout_keeps_the_other_swept_keys_apart(tmp_path, monkeypatch):
     pooling two clipping norms into one line; now a line per value of the other swept keys."""
     import pandas as pd
 
-    from sweeps import report_plots as rp
-    from sweeps.report_data import Sweep
+    from sweeps.report import plots as rp
+    from sweeps.report.data import Sweep
 
     figs = _capture(monkeypatch)
     rows, tables = [], {}

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from sweeps.spec import expand_trials, validate_spec
-from sweeps.spec_space import REPEAT_SEED_STRIDE, repeat_seed
+from sweeps.spec.space import REPEAT_SEED_STRIDE, repeat_seed
 
 BASE = {
     "name": "t",
@@ -81,7 +81,7 @@ def _trials_frame():
 
 
 def test_aggregation_groups_by_configured_parameters_not_measured_values():
-    from sweeps.report_data import aggregate
+    from sweeps.report.data import aggregate
 
     agg = aggregate(_trials_frame()).set_index("label")
     assert sorted(agg.index) == ["dpsgd epsilon=1 lr=0.1", "dpsgd epsilon=2 lr=0.1",
@@ -98,7 +98,7 @@ def test_aggregation_groups_by_configured_parameters_not_measured_values():
 
 
 def test_formatting_of_mean_sd_and_n():
-    from sweeps.report_data import fmt_stat
+    from sweeps.report.data import fmt_stat
 
     assert fmt_stat(0.83, 0.036056, 3) == "0.83 ± 0.036"
     assert fmt_stat(0.97, math.nan, 1) == "0.97"
@@ -162,7 +162,7 @@ def test_report_shows_mean_sd_n_and_published_vs_measured(synthetic_sweep, tmp_p
 
 
 def test_published_points_are_drawn_on_the_matching_plot(synthetic_sweep, tmp_path, monkeypatch):
-    from sweeps import report_plots as rp
+    from sweeps.report import plots as rp
     from sweeps.report import make_report
 
     drawn = []
@@ -175,12 +175,12 @@ def test_published_points_are_drawn_on_the_matching_plot(synthetic_sweep, tmp_pa
 
 
 def test_published_points_stay_off_figures_without_their_trials(synthetic_sweep, tmp_path, monkeypatch):
-    from sweeps import report_plots as rp
+    from sweeps.report import plots as rp
 
     drawn = []
     real = rp._stars
     monkeypatch.setattr(rp, "_stars", lambda ax, points, done: (drawn.append(list(points)), real(ax, points, done)))
-    from sweeps.report_data import load_sweep, reference_rows
+    from sweeps.report.data import load_sweep, reference_rows
 
     sweep = load_sweep("rep", synthetic_sweep)
     refs = reference_rows(sweep.trials, sweep.reference)

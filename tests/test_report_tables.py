@@ -9,7 +9,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sweeps.report_data import TABLES, Sweep, load_tables
+from sweeps.report.data import TABLES, Sweep, load_tables
 
 
 class _Client:

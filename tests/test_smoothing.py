@@ -365,7 +365,7 @@ def test_smoothing_on_the_pixeldp_cnn_certifies_at_least_its_bound(pixeldp_input
 def test_evaluate_reports_both_certifiers_and_logs_the_smoothing_table(pixeldp_input_noise, tmp_path):
     import pyarrow.parquet as pq
 
-    from sweeps.report_data import certified_accuracy_at
+    from sweeps.report.data import certified_accuracy_at
     from trainables.artifacts import log_final_artifacts
     from trainables.runtime import evaluate
 

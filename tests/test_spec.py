@@ -1,4 +1,4 @@
-"""Sweep specs (sweeps/spec.py, sweeps/spec_space.py): the shipped specs, expansion, overrides,
+"""Sweep specs (sweeps/spec/sweep_spec.py, sweeps/spec/space.py): the shipped specs, expansion, overrides,
 the Ray param space, MLflow params, and invalid specs with the exact field path of the error."""
 
 from __future__ import annotations

@@ -262,7 +262,7 @@ def test_two_mechanisms_in_one_sweep(tmp_path, ray_local, monkeypatch):
 
     # the report: Pareto fronts, curves and tables from the per-example Parquet files
     from sweeps.report import make_report
-    from sweeps.report_data import certified_accuracy_at, load_sweep, load_tables
+    from sweeps.report.data import certified_accuracy_at, load_sweep, load_tables
 
     out = tmp_path / "report"
     report = make_report("both", uri, out, sizes=[0.1, 0.0123]).read_text()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from sweeps.spec import SpecError, validate_spec
-from sweeps.tuning import private_selection_metric
+from sweeps.spec.tuning import private_selection_metric
 from tests.test_tuning_spec import raw, stand_in  # noqa: F401  (stand_in: the DP stand-in trainable)
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sweeps.tuning import candidates_beyond_guarantee, ran_trial_epsilon
+from sweeps.spec.tuning import candidates_beyond_guarantee, ran_trial_epsilon
 
 
 def _spec(target):
@@ -37,7 +37,7 @@ def test_summary_at_the_ran_epsilon_is_the_end_to_end_epsilon_of_that_epsilon():
     import dataclasses
 
     from sweeps.spec import validate_spec
-    from sweeps.tuning import end_to_end_epsilon, tuning_summary
+    from sweeps.spec.tuning import end_to_end_epsilon, tuning_summary
     from tests.test_tuning_spec import raw
     from trainables.registry import REGISTRY
 

@@ -1,4 +1,4 @@
-"""Spec-level private hyperparameter selection (sweeps/tuning.py): the rules Papernot & Steinke's
+"""Spec-level private hyperparameter selection (sweeps/spec/tuning.py): the rules Papernot & Steinke's
 guarantee needs, the number of trials drawn, and the end-to-end epsilon over the search space.
 
 A stand-in trainable (PixelDP's schema with a DP-SGD-like privacy event keyed on ``epsilon``)
@@ -17,7 +17,7 @@ from scipy.stats import chisquare
 from dpmech.privacy.accounting import epsilon, subsampled_gaussian_event
 from dpmech.privacy.tuning import num_trials_pmf, tuning_epsilon, worst_case_rdp
 from sweeps.spec import SpecError, expand_trials, validate_spec
-from sweeps.tuning import best_row, tuning_summary
+from sweeps.spec.tuning import best_row, tuning_summary
 from trainables.registry import REGISTRY
 
 

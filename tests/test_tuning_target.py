@@ -1,4 +1,4 @@
-"""``tuning_privacy.target_epsilon`` (sweeps/tuning.py): every trial's epsilon calibrated so the
+"""``tuning_privacy.target_epsilon`` (sweeps/spec/tuning.py): every trial's epsilon calibrated so the
 end-to-end guarantee of releasing the best of K trials lands on the target (Papernot & Steinke
 2022), checked against dp-accounting's own ``RepeatAndSelectDpEvent``."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from dpmech.privacy.tuning import repeat_and_select_epsilon
 from sweeps.spec import SpecError, expand_trials, validate_spec
-from sweeps.tuning import tuning_summary
+from sweeps.spec.tuning import tuning_summary
 
 # the stand-in trainable of the spec tests (PixelDP's schema, a DP-SGD-like event keyed on epsilon):
 # importing its autouse fixture registers it for these tests too

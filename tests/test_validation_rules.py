@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from sweeps.spec import load_spec, validate_spec
-from sweeps.spec_space import reported_metrics
+from sweeps.spec.space import reported_metrics
 from trainables.registry import REGISTRY
 from tests.test_spec import _error  # one-line SpecError text, shared with the spec tests
 

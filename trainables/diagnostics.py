@@ -12,7 +12,7 @@ the noisy mechanism: ``epsilon`` does not cover them (issue 25, point 5; docs/me
 * The trial key ``diagnostics`` (default true) keeps them; ``diagnostics: false`` (for a release) drops
   them at the trial's boundary: no Ray result, checkpoint, MLflow metric or console line carries them.
 * A sweep never lets a searcher or a scheduler select on one for a trainable with a privacy guarantee
-  (``sweeps.spec_space.check_not_diagnostic``): the selection would then depend on the training data
+  (``sweeps.spec.space.check_not_diagnostic``): the selection would then depend on the training data
   through a channel epsilon does not account for.
 """
 

@@ -27,7 +27,7 @@ class TrainableEntry:
     # (its epsilon is a robustness parameter, logged as robustness_epsilon*).
     epsilon_protects: str = "training examples"
     privacy_epsilon: bool = True
-    # Final metrics of this trainable beyond the generic ones (sweeps.spec_space.reported_metrics reads it)
+    # Final metrics of this trainable beyond the generic ones (sweeps.spec.space.reported_metrics reads it)
     metrics: tuple[str, ...] = ()
     # "module:function" (config, metrics) -> the final metrics of a trial with this config, given the
     # set computed from the generic rules and ``metrics``; None: that set as it is

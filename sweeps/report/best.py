@@ -2,7 +2,7 @@
 points 5 and 9).
 
 * The best trial is the finished trial with the best ``search.metric`` (``search.mode``), the
-  rule ``sweeps.tuning.best_row`` applies to a tuning-private sweep's released trial. Choosing it
+  rule ``sweeps.spec.tuning.best_row`` applies to a tuning-private sweep's released trial. Choosing it
   is not private unless the sweep ran with ``tuning_privacy`` (then it *is* the released trial
   and the end-to-end epsilon covers it): ``selection_caveat`` says which, and every place that
   shows the best trial shows the caveat with it.
@@ -46,8 +46,8 @@ class Best:
 
 def best_trial(rows: list[dict], metric: str, mode: str) -> dict | None:
     """The finished trial with the best finite ``metric`` (``mode`` max or min); ties keep the
-    first. The same rule as a tuning-private sweep's released trial (``sweeps.tuning.best_row``)."""
-    from sweeps.tuning import best_row
+    first. The same rule as a tuning-private sweep's released trial (``sweeps.spec.tuning.best_row``)."""
+    from sweeps.spec.tuning import best_row
 
     return best_row(rows, metric, mode)
 

@@ -470,7 +470,7 @@ def measured(trials, where: dict, metric: str) -> tuple[float, float, int]:
     ``reference`` point's ``where`` (sweeps.spec.reference_matches)."""
     import numpy as np
 
-    from sweeps.spec import reference_matches
+    from sweeps.spec.sweep_spec import reference_matches
 
     df = with_metric(finished(trials), metric)
     if df.empty or metric not in df:

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 import numpy as np
-from sweeps.report_data import as_number as _num
+from sweeps.report.data import as_number as _num
 
 
 
@@ -128,7 +128,7 @@ def section_lines(trials, md_table) -> list[str]:
 def plot_claimed_vs_audited(trials, path: Path) -> bool:
     """Audited lower bound (each trial's own level) against claimed epsilon for every audited
     trial, a series per trainable and mode, with the line y = x (above it: refuted). PNG + PDF."""
-    from sweeps.report_plots import _plt, _save, style
+    from sweeps.report.plots import _plt, _save, style
 
     rows = audit_rows(trials)
     pts = [(r["claimed epsilon"], r["audited lower bound"], f"{r['trainable']} ({r['mode']})") for r in rows

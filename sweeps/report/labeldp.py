@@ -9,7 +9,7 @@ epsilon (dotted; ``dpmech.label_dp.release.analytic_keep_prob``) beside the meas
 
 ``plot_labeldp(rows, path)`` draws the same figure from plain records (the benchmark uses it);
 ``rows_from_benchmark(json)`` turns benchmarks/results/labeldp_mnist_full.json into such records, and
-``python -m sweeps.report_labeldp RESULT.json OUT.png`` draws it (every method of issue 16: Laplace,
+``python -m sweeps.report.labeldp RESULT.json OUT.png`` draws it (every method of issue 16: Laplace,
 RR, LP-1ST, LP-2ST, with the non-private baselines).
 """
 
@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from sweeps.report_data import as_number as _num
+from sweeps.report.data import as_number as _num
 
 FIGURE = "label_dp_accuracy_mse_vs_epsilon.png"
 # MLflow's SQL store writes +inf as the largest float; anything this large is "no guarantee"
@@ -142,7 +142,7 @@ def plot_labeldp(rows: list[dict], path: Path, num_classes: int = 10) -> bool:
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.suptitle("Label DP on the training labels: utility against epsilon (labels released once per trial)", fontsize=10)
-    from sweeps.report_plots import VECTOR, plain_log_axis
+    from sweeps.report.plots import VECTOR, plain_log_axis
 
     for ax in axes[0]:
         for axis in (ax.xaxis, ax.yaxis):

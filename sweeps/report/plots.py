@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sweeps.pareto import pareto_front
-from sweeps.report_data import (
+from sweeps.report.pareto import pareto_front
+from sweeps.report.data import (
     TABLES,
     Sweep,
     aggregate,
@@ -45,7 +45,7 @@ from sweeps.report_data import (
     varying_columns,
     with_groups,
 )
-from sweeps.report_data import as_number as _num
+from sweeps.report.data import as_number as _num
 
 ACC = re.compile(r"^acc_(fgsm|ifgsm|mim|pgd)_([0-9.eE+-]+)$")
 CERT = re.compile(r"^(smooth_)?cert_acc_([0-9.eE+-]+)$")
@@ -78,7 +78,7 @@ def _sd(values) -> np.ndarray:
 
 def _matches_any(trials, where: dict) -> bool:
     """Some finished trial of ``trials`` (those a figure draws) has the point's configured values."""
-    from sweeps.spec import reference_matches
+    from sweeps.spec.sweep_spec import reference_matches
 
     df = finished(trials)
     params = [c for c in df.columns if str(c).startswith("param.")]
@@ -90,14 +90,14 @@ def _ref_x(trials, where: dict, col: str) -> float:
     """The x of a published point: the configured value in ``where``, else the mean of ``col``
     over the finished trials the point matches; NaN (not drawn) when the figure's trials hold no
     trial the point matches."""
-    from sweeps.report_data import measured
+    from sweeps.report.data import measured
 
     if not _matches_any(trials, where):
         return math.nan
     if col.startswith("param.") and col[len("param."):] in where:
         return _num(where[col[len("param."):]])
     if col.startswith("param."):
-        from sweeps.spec import reference_matches
+        from sweeps.spec.sweep_spec import reference_matches
 
         vals = [_num(r[col]) for _, r in finished(trials).iterrows() if col in r and reference_matches(
             where, {"trainable": r.get("trainable"),

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sweeps.spec_space import RANGES, SpecError
+from sweeps.spec.space import RANGES, SpecError
 
 if TYPE_CHECKING:
-    from sweeps.spec import SweepSpec
+    from sweeps.spec.sweep_spec import SweepSpec
 
 MAX_PRIVACY_CONFIGS = 2000
 K_STREAM = 0x7D9  # the stream of search.seed that draws K (trial draws use the plain seed)

@@ -44,8 +44,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from sweeps import report_plots as rp
-from sweeps.report_data import (
+from sweeps.report import plots as rp
+from sweeps.report.data import (
     SWEEP_COLUMN,
     Sweep,
     aggregate,
@@ -159,7 +159,7 @@ def _dpal_side_by_side(trials, refs: list[dict]) -> list[str]:
     import numpy as np
     import pandas as pd
 
-    from sweeps.report_data import finished, with_metric
+    from sweeps.report.data import finished, with_metric
 
     df = finished(trials)
     if df.empty or "trainable" not in df:
@@ -270,7 +270,7 @@ def _privacy_section(sweep: Sweep) -> list[str]:
                   f"of these {len(trials)} trials, trained on the same private data, uses that data again: the "
                   "per-trial epsilons above do not bound what publishing the best trial reveals. Run the sweep "
                   "with `tuning_privacy` (docs/tuning_privacy.md) for an end-to-end guarantee."]
-    from sweeps.report_audit import section_lines  # claimed vs audited epsilon (docs/audit.md)
+    from sweeps.report.audit import section_lines  # claimed vs audited epsilon (docs/audit.md)
 
     lines += section_lines(trials, _md_table)
     return lines + [""]
@@ -313,7 +313,7 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
         _write_csv(out / "trials_aggregated.csv", aggregate(trials).to_dict("records"))
         files.append(out / "trials_aggregated.csv")
     repeats = "; each point the mean over a configuration's repeats, error bars one standard deviation"
-    from sweeps.report_audit import plot_claimed_vs_audited
+    from sweeps.report.audit import plot_claimed_vs_audited
 
     add(plot_claimed_vs_audited(trials, out / "claimed_vs_audited.png"), "Claimed vs audited epsilon",
         "claimed_vs_audited.png", "Each audited trial's empirical lower bound (its own confidence) against its claimed "
@@ -358,7 +358,7 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
         "fig6_certified_vs_attack_size.png")
     for title, fname in _mechanism_figures(trials, out):
         figures.append((title, fname, ""))
-    from sweeps.report_samples import sample_grid_figures  # generative trials' sample grids (dpgan, dp_merf)
+    from sweeps.report.samples import sample_grid_figures  # generative trials' sample grids (dpgan, dp_merf)
 
     figures.extend(sample_grid_figures(sweep, out))
 
@@ -441,7 +441,7 @@ def _others_text(others: list[dict]) -> str:
 def _best_section(sweep: Sweep, tracking_uri: str) -> list[str]:
     """The best trial by the spec's ``search.metric`` (issue 24, point 5), with what covers
     choosing it, and the address of MLflow's compare view of the sweep's trials (point 9)."""
-    from sweeps.best import claims_privacy, compare_url, selection_caveat, ui_base
+    from sweeps.report.best import claims_privacy, compare_url, selection_caveat, ui_base
 
     params, tags, trials = dict(sweep.parent.data.params), sweep.parent_tags, sweep.trials
     lines = ["## Best trial", ""]
@@ -544,7 +544,7 @@ def _mechanism_figures(trials, out: Path) -> list[tuple[str, str]]:
     """Figures a mechanism's own module draws (label DP: accuracy and MSE against epsilon)."""
     figs = []
     try:
-        from sweeps.report_labeldp import labeldp_figures
+        from sweeps.report.labeldp import labeldp_figures
     except ImportError:
         return figs
     for path in labeldp_figures(trials, out) or []:

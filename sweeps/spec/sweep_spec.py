@@ -3,7 +3,7 @@
 ``load_spec(path, overrides)`` reads a spec with ``yaml.safe_load``, applies ``--set key=value``
 overrides and validates everything before Ray starts: the spec's own sections (the pydantic
 models below), the rules between them, and every candidate value of every trainable parameter
-(through that trainable's config schema, ``sweeps.spec_space``). Any problem raises
+(through that trainable's config schema, ``sweeps.spec.space``). Any problem raises
 ``SpecError`` with one line ``<field path>: <rule>``, for example
 ``trainables[0].search.epsilon[2]: must be > 0, got -1.0``.
 
@@ -27,7 +27,7 @@ from typing import Any, Iterable, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from sweeps.spec_space import (
+from sweeps.spec.space import (
     MAX_TRIALS,
     EPOCH_COUNTERPARTS,
     PER_EPOCH_METRICS,
@@ -152,7 +152,7 @@ class FailureSection(_Section):
 
 
 class TuningPrivacySection(_Section):
-    """Private hyperparameter selection (sweeps/tuning.py, docs/tuning_privacy.md)."""
+    """Private hyperparameter selection (sweeps/spec/tuning.py, docs/tuning_privacy.md)."""
 
     distribution: Literal["poisson", "geometric", "logarithmic", "truncated_negative_binomial"] = Field(
         description="distribution of the number of trials K (Papernot & Steinke 2022)")
@@ -462,7 +462,7 @@ def _trials(spec: SweepSpec) -> list[dict]:
     if spec._trials is None:
         n, seed = spec.search.num_samples, spec.search.seed
         if spec.tuning_privacy is not None:
-            from sweeps.tuning import draw_k, draws_seed
+            from sweeps.spec.tuning import draw_k, draws_seed
 
             # K trials, each drawn independently from the spec's distributions, from the sweep's secret
             # (before ``dpsweep run`` binds it, e.g. at validate: from a throw-away one)
@@ -675,12 +675,12 @@ def validate_spec(raw: dict) -> SweepSpec:
     _check_scheduler(spec)
     _check_resources(spec)
     if spec.tuning_privacy is not None:
-        from sweeps.tuning import check_tuning_spec
+        from sweeps.spec.tuning import check_tuning_spec
 
         check_tuning_spec(spec)
     spec._spaces = _build_spaces(spec)
     if spec.tuning_privacy is not None:
-        from sweeps.tuning import calibrate_to_target, check_tuning_space
+        from sweeps.spec.tuning import calibrate_to_target, check_tuning_space
 
         check_tuning_space(spec)
         if spec.tuning_privacy.target_epsilon is not None:
