@@ -27,6 +27,12 @@ class CommonConfig(BaseModel):
     train_size: int | None = Field(None, gt=0, description="training images (deterministic subset; null = all)")
     test_size: int | None = Field(1000, gt=0, description="test images used for evaluation (null = all)")
     data_seed: int = Field(0, ge=0, description="seed of the data subsets")
+    selection_split: Literal["none", "validation", "test_half"] = Field(
+        "none", description="images the sweep's selection reads (the spec's selection section sets it; docs/specs.md): "
+        "none (the evaluation images), validation (selection_size training images held back from training) or "
+        "test_half (selection_size of the evaluation images, default half); with a split, every evaluation metric "
+        "is measured on the selection images and again as heldout_<metric> on images selection never saw")
+    selection_size: int | None = Field(None, gt=0, description="images of the selection split (validation: required)")
     seed: int = Field(0, ge=0, description="public seed of initialisation, shuffling and augmentation (not of the noise: "
                       "noise_source)")
     noise_source: Literal["secret", "seed"] = Field(
@@ -146,6 +152,28 @@ class CommonConfig(BaseModel):
         from trainables.audit_config import parse
 
         return None if value is None else parse(value)
+
+    @model_validator(mode="after")
+    def _selection_split(self):
+        """The selection split fits the data it is carved from (``selection_images``)."""
+        split, size = self.selection_split, self.selection_size
+        if split == "none":
+            if size is not None:
+                raise ValueError("selection_size: only used with selection_split validation or test_half")
+            return self
+        if split == "validation":
+            if size is None:
+                raise ValueError("selection_size: required with selection_split validation")
+            if self.train_size is not None and size >= self.train_size:
+                raise ValueError(f"selection_size: {size} validation images leave no training image of train_size "
+                                 f"{self.train_size}; use fewer")
+        elif self.test_size is not None:
+            if self.test_size < 2:
+                raise ValueError(f"selection_split: test_half needs at least 2 test images, test_size is {self.test_size}")
+            if size is not None and size >= self.test_size:
+                raise ValueError(f"selection_size: {size} selection images leave no held-out image of test_size "
+                                 f"{self.test_size}; use fewer")
+        return self
 
     @model_validator(mode="after")
     def _audit_applies(self):
@@ -331,4 +359,43 @@ def planned_train_size(cfg: CommonConfig) -> int:
     public number: a trainer plans q, steps and sigma from it, never from the data it is handed)."""
     from dpmech.datasets.splits import train_split_size
 
-    return int(cfg.train_size) if cfg.train_size is not None else train_split_size(cfg.dataset)
+    n = int(cfg.train_size) if cfg.train_size is not None else train_split_size(cfg.dataset)
+    return n - validation_images(cfg)
+
+
+def validation_images(cfg) -> int:
+    """Training images held back for selection (``selection_split: validation``), else 0: the trial
+    trains on the others, and its privacy plan counts only those."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+    return int(get("selection_size") or 0) if get("selection_split", "none") == "validation" else 0
+
+
+def selection_images(x, y, xt, yt, cfg):
+    """The trial's data with its selection split (issue 34, point 2): ``(x, y, x_sel, y_sel, x_held,
+    y_held)``: the training images, the images selection reads and the held-out ones (None without a
+    split: selection and every metric read the evaluation images ``xt``). ``validation``: the first
+    ``selection_size`` of a permutation of the training subset drawn from ``data_seed`` (public) are
+    held back; the test images are held out. ``test_half``: the first ``selection_size`` (default half)
+    of a permutation of the evaluation images select, the rest are held out."""
+    import torch
+
+    split = cfg.selection_split
+    if split == "none":
+        return x, y, xt, yt, None, None
+    g = torch.Generator().manual_seed(int(cfg.data_seed) * 7919 + 17)
+    if split == "validation":
+        k = int(cfg.selection_size)
+        if k >= x.shape[0]:
+            raise ValueError(f"config.selection_size: {k} validation images leave no training image of the "
+                             f"{x.shape[0]} loaded; use fewer")
+        perm = torch.randperm(x.shape[0], generator=g).to(x.device)
+        keep, val = perm[k:].sort().values, perm[:k].sort().values
+        return x[keep], y[keep], x[val], y[val], xt, yt
+    n = xt.shape[0]
+    k = int(cfg.selection_size) if cfg.selection_size is not None else n // 2
+    if not 0 < k < n:
+        raise ValueError(f"config.selection_size: test_half needs 0 < selection images < the {n} test images, "
+                         f"got {k}")
+    perm = torch.randperm(n, generator=g).to(xt.device)
+    sel, held = perm[:k].sort().values, perm[k:].sort().values
+    return x, y, xt[sel], yt[sel], xt[held], yt[held]

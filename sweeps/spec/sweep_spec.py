@@ -183,8 +183,28 @@ class ReferenceSection(_Section):
     points: list[ReferencePoint] = Field(min_length=1)
 
 
+class SelectionSection(_Section):
+    """How the sweep's best is chosen and on which images it is scored (issue 34, points 1 and 2;
+    docs/specs.md). ``split``: ``none`` (select on the evaluation images, the same ones every metric
+    is reported on), ``validation`` (``size`` images carved from each trial's training subset: the
+    trial trains on the rest; selection reads them, the test images stay unseen) or ``test_half``
+    (the evaluation images split in two, as ``benchmarks/dpsgd_tuned.py`` does: selection reads
+    ``size`` of them, default half, and the others are held out). ``statistic``: how a
+    configuration's repeats are summarised for the choice (mean, median, or worst: the lowest of a
+    max metric, the highest of a min one)."""
+
+    split: Literal["none", "validation", "test_half"] = Field(
+        "none", description="where the selection metric is measured: none (the evaluation images), validation "
+                            "(carved from the training data) or test_half (half of the evaluation images)")
+    size: int | None = Field(None, gt=0, description="images selection reads (validation: required, taken from the "
+                                                     "training subset; test_half: default half of the test images)")
+    statistic: Literal["mean", "median", "worst"] = Field(
+        "mean", description="how a configuration's repeats are summarised when the best configuration is chosen")
+
+
+
 _OPTIONAL = ("description", "storage", "mlflow", "common", "search", "scheduler", "resources",
-             "max_concurrent_trials", "failure", "tuning_privacy", "reference", "keep_checkpoints")
+             "max_concurrent_trials", "failure", "tuning_privacy", "reference", "keep_checkpoints", "selection")
 
 
 class SweepSpec(_Section):
@@ -206,6 +226,7 @@ class SweepSpec(_Section):
     keep_checkpoints: bool = Field(False, description="keep each finished trial's checkpoint (default: deleted once "
                                                       "its final metrics and artifacts are in MLflow)")
     reference: ReferenceSection | None = None
+    selection: SelectionSection = Field(default_factory=SelectionSection)
 
     _raw: dict | None = PrivateAttr(None)
     _spaces: tuple[TrainableSpace, ...] | None = PrivateAttr(None)
@@ -416,6 +437,50 @@ def _check_search(spec: SweepSpec) -> None:
                         "or give search.objectives")
 
 
+HELD_OUT_PREFIX = "heldout_"  # trainables.runtime.HELD_OUT: metrics on images selection never saw
+
+
+def _check_selection(spec: SweepSpec) -> None:
+    """The ``selection`` section (issue 34, points 1 and 2): held-out metrics never steer anything;
+    a tuning-private sweep's selection reads no private data (a validation split is carved from the
+    training data, which its guarantee protects); the split reaches every trial as the common keys
+    ``selection_split`` / ``selection_size``, which a spec therefore does not set itself."""
+    sel, s, sch = spec.selection, spec.search, spec.scheduler
+    steering = [("search.metric", s.metric)] + [(f"search.objectives[{j}].metric", o.metric)
+                                                for j, o in enumerate(s.objectives)]
+    steering.append(("scheduler.metric", sch.metric))
+    for path, metric in steering:
+        if metric and metric.startswith(HELD_OUT_PREFIX):
+            raise SpecError(f"{path}: {metric!r} is measured on the held-out images of the selection split, which "
+                            f"never steer a choice; select by {metric[len(HELD_OUT_PREFIX):]!r} (measured on the "
+                            "selection images)")
+    for key in ("selection_split", "selection_size"):
+        where = ["common"] * (key in spec.common) + [f"trainables[{i}].search" for i, t in enumerate(spec.trainables)
+                                                     if key in t.search]
+        if where:
+            raise SpecError(f"{where[0]}.{key}: set by the spec's selection section (selection: {{split: ..., "
+                            "size: ...}}); remove it here")
+    if sel.split == "validation" and spec.tuning_privacy is not None:
+        raise SpecError("selection.split: validation images are carved from the training data, which the "
+                        "tuning_privacy guarantee protects, and they would steer the released choice without noise; "
+                        "use test_half (selection on half of the test images, the other half held out)")
+    if sel.split == "validation" and sel.size is None:
+        raise SpecError("selection.size: required with split validation (the number of training images held back "
+                        "from training for selection)")
+    if sel.split == "none" and sel.size is not None:
+        raise SpecError("selection.size: only used with split validation or test_half")
+    limit = {"validation": ("train_size", "training"), "test_half": ("test_size", "test")}.get(sel.split)
+    if limit and sel.size is not None and isinstance(spec.common.get(limit[0]), int) \
+            and sel.size >= spec.common[limit[0]]:
+        raise SpecError(f"selection.size: {sel.size} selection images leave none of the {spec.common[limit[0]]} "
+                        f"{limit[1]} images (common.{limit[0]}) for {'training' if limit[1] == 'training' else 'the held-out score'}; "
+                        "use fewer")
+    if sel.split != "none":
+        spec.common["selection_split"] = sel.split
+        if sel.size is not None:
+            spec.common["selection_size"] = sel.size
+
+
 def _check_scheduler(spec: SweepSpec) -> None:
     sch = spec.scheduler
     if sch.type != "asha":
@@ -582,6 +647,9 @@ def _model_warnings(spec: SweepSpec) -> list[str]:
         dim = next((d for d in space.dims if d.key == "model"), None)
         where = dim.path if dim is not None else ("common.model" if "model" in spec.common else f"{space.path}.model")
         for c in configs:
+    from trainables.config import validation_images
+
+    n = int(n) - validation_images(config)  # a validation split is held back from training
             for line in user_model_warnings(space.model, c):
                 if f"{where}: {line}" not in out:
                     out.append(f"{where}: {line}")
@@ -714,6 +782,7 @@ def expand_trials(spec: SweepSpec) -> list[dict]:
     if spec.search.algorithm == "optuna":
         raise SpecError("search.algorithm: optuna proposes its trials while the sweep runs; there is no list to expand")
     return copy.deepcopy(_trials(spec))
+    _check_selection(spec)
 
 
 def ray_param_space(spec: SweepSpec) -> dict:
