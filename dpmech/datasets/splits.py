@@ -109,6 +109,20 @@ def train_split_size(dataset: str) -> int:
     return {"mnist": 60000, "fashion_mnist": 60000, "cifar10": 50000}[check_dataset(dataset)]
 
 
+def split_size(dataset: str, split: str) -> int:
+    """Number of examples of the whole ``split`` (``"train"`` or ``"test"``) of ``dataset``, without
+    loading a named dataset's files (60,000 / 10,000 for MNIST and Fashion-MNIST, 50,000 / 10,000 for
+    CIFAR-10); a loader's: the tensors it returned."""
+    v.choice("split", split, SPLITS)
+    if split == "train":
+        return train_split_size(dataset)
+    if is_custom(dataset):
+        from dpmech.datasets.user_code import load_dataset as load_user
+
+        return int(load_user(dataset)[2].shape[0])
+    return {"mnist": 10000, "fashion_mnist": 10000, "cifar10": 10000}[check_dataset(dataset)]
+
+
 def subset_indices(total: int, size: int | None, seed: int, *, name: str = "size") -> np.ndarray:
     """Indices (sorted, distinct) of a deterministic subset of ``size`` out of ``total``.
 

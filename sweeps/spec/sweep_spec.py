@@ -598,6 +598,47 @@ def _no_certifier_reason(model) -> str:
     return "it has no certificate of its own; certifier: smoothing needs a model with Gaussian input noise"
 
 
+SUBSETS = (("train_size", "train", "training"), ("test_size", "test", "test"))
+
+
+def _check_subset_sizes(spec: SweepSpec) -> None:
+    """``train_size`` and ``test_size`` of every trial (every Optuna probe config) are at most the
+    examples of the dataset's split: the named datasets' sizes are known without their files, a
+    loader's are those of the tensors it returned (it was called once while its ``dataset`` value
+    was checked). A subset larger than its split would fail every trial once Ray and MLflow had
+    started (``subset_indices``); here it is one line naming the key, the value and the size."""
+    from dpmech.datasets.splits import is_custom, split_size
+
+    for space, configs in _space_configs(spec):
+        for c in configs:
+            dataset = c.get("dataset", "mnist")
+            for key, split, words in SUBSETS:
+                n = c.get(key)
+                if n is None:
+                    continue
+                total = split_size(dataset, split)
+                if n <= total:
+                    continue
+                where, default = _value_path(spec, space, key, n), ""
+                if where is None:
+                    where, default = f"common.{key}", " (the default)"
+                source = (f"that loader {dataset!r} returned" if is_custom(dataset)
+                          else f"of {dataset!r}")
+                raise SpecError(f"{where}: {n}{default} is more than the {total} {words} images {source}; "
+                                f"set {key} to at most {total} (or null for all of them)")
+
+
+def _value_path(spec: SweepSpec, space, key: str, value) -> str | None:
+    """Where the spec writes ``value`` for ``key`` of ``space``'s trials: the search value (a grid's or
+    range's item), else ``common.<key>``; None when the value is the schema's default."""
+    dim = next((d for d in space.dims if d.key == key), None)
+    if dim is not None:
+        return next((path for path, v in dim.candidate_paths() if v == value), dim.path)
+    if key in spec.common:
+        return f"common.{key}"
+    return None
+
+
 def _planned_train_size(config: dict) -> int:
     """N of the delta rule: the planned training-set size (train_size, or the full split) plus the
     audit canaries (at most that many join the training set)."""
@@ -732,7 +773,8 @@ def _check_reference_metric(metric: str, path: str, configs: list[dict]) -> None
 def validate_spec(raw: dict) -> SweepSpec:
     """Validate a spec mapping (as loaded from YAML, overrides applied); ``SpecError`` names the
     first problem. Checks, in order: the sections, the rules between them, common, each
-    trainable's search, every trial (grid/random) or probe config (optuna), the metric names."""
+    trainable's search, every trial (grid/random) or probe config (optuna), the subset sizes
+    against the dataset's splits, the metric names."""
     if not isinstance(raw, dict):
         raise SpecError(f"spec: must be a mapping of spec keys (name, trainables, ...), got {type(raw).__name__}")
     try:
@@ -760,6 +802,7 @@ def validate_spec(raw: dict) -> SweepSpec:
             space.probes()  # the combinations validate (model-level rules)
     else:
         _trials(spec)
+    _check_subset_sizes(spec)
     _check_metrics(spec)
     _check_certify_images(spec)
     _check_reference(spec)
