@@ -141,3 +141,68 @@ def test_run_refuses_before_ray_or_mlflow_and_writes_nothing(studypkg, tmp_path,
     assert _one_error(err).startswith("common.train_size: 5000 ")
     assert out == ""
     assert list(work.iterdir()) == [] and not (tmp_path / "ray_results").exists()
+
+
+# ------------------------------------------------------------------ point 5: names and a DataLoader
+
+
+@pytest.mark.parametrize("path, meant", [
+    ("studypkg_v1.nets:small_cnnn", "studypkg_v1.nets:small_cnn"),
+    ("studypkg_v1.netz:small_cnn", "studypkg_v1.nets:small_cnn"),
+    ("studypkg_v1.data:load_digit", "studypkg_v1.data:load_digits"),
+])
+def test_a_mistyped_factory_or_loader_gets_a_did_you_mean(studypkg, path, meant):
+    from dpmech.datasets.user_code import resolve
+
+    with pytest.raises(ValueError) as info:
+        resolve(path, "model")
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("model: ")
+    assert msg.endswith(f"(did you mean {meant!r}?)") or f"(did you mean {meant!r}?);" in msg
+
+
+def test_a_name_with_nothing_close_gets_no_guess(studypkg):
+    from dpmech.datasets.user_code import resolve
+
+    with pytest.raises(ValueError) as info:
+        resolve("studypkg_v1.nets:resnet152", "model")
+    assert "did you mean" not in str(info.value)
+
+
+def test_the_spec_error_carries_the_did_you_mean(studypkg, tmp_path, capsys):
+    path = _spec(tmp_path, {"dataset": LOADER, "train_size": 100, "test_size": 40},
+                 {"model": "studypkg_v1.nets:small_cnnn"})
+    code, _, err = _cli(capsys, "validate", path)
+    assert code == 2
+    msg = _one_error(err)
+    assert msg.startswith("trainables[0].search.model: ")
+    assert "(did you mean 'studypkg_v1.nets:small_cnn'?)" in msg
+    path = _spec(tmp_path, {"dataset": "studypkg_v1.data:load_digit", "test_size": 40})
+    code, _, err = _cli(capsys, "validate", path)
+    assert code == 2 and "(did you mean 'studypkg_v1.data:load_digits'?)" in _one_error(err)
+
+
+def test_a_dataloader_given_to_dpsgd_warns_once_that_its_batching_is_unused(monkeypatch, one_thread):
+    import dpmech.dpsgd.trainer as tr
+    from dpmech import DPSGDConfig, DPSGDTrainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    monkeypatch.setattr(tr, "_LOADER_WARNED", False)
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.rand(60, 1, 4, 4, generator=g) * 2 - 1, torch.randint(0, 3, (60,), generator=g))
+    cfg = DPSGDConfig(epsilon=4.0, batch_size=20, epochs=1, seed=0)
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DPSGDTrainer(net(), ds, config=cfg)                      # a dataset itself: nothing to say
+        assert not [w for w in caught if issubclass(w.category, tr.LoaderSettingsIgnored)]
+        DPSGDTrainer(net(), DataLoader(ds, batch_size=7, shuffle=True), config=cfg)
+        DPSGDTrainer(net(), DataLoader(ds, batch_size=9), config=cfg)
+    mine = [w for w in caught if issubclass(w.category, tr.LoaderSettingsIgnored)]
+    assert len(mine) == 1
+    text = str(mine[0].message)
+    assert "batch_size (7)" in text and "shuffle (True)" in text and "Poisson" in text
+    assert mine[0].filename == __file__          # points at the caller's line

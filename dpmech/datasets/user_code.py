@@ -20,11 +20,13 @@ and the rule. No Ray, no MLflow.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import importlib
 import inspect
 import os
+import pkgutil
 import re
 import sys
 
@@ -65,15 +67,37 @@ def resolve(path: str, field: str):
     try:
         obj = _import(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
-        raise ValueError(f"{field}: cannot import module {module_name!r} of {path!r} ({_one_line(exc)}); "
+        hint = _module_hint(module_name, exc, attr)
+        raise ValueError(f"{field}: cannot import module {module_name!r} of {path!r} ({_one_line(exc)}){hint}; "
                          f"put its folder on PYTHONPATH or run from the folder that holds it") from None
+    done: list[str] = []
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"{field}: module {module_name!r} has no attribute {attr!r} ({path!r})")
+            owner = repr(f"{module_name}:{'.'.join(done)}") if done else f"module {module_name!r}"
+            names = [n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None))]
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f" (did you mean {module_name + ':' + '.'.join([*done, close[0]])!r}?)" if close else ""
+            raise ValueError(f"{field}: {owner} has no attribute {part!r} ({path!r}){hint}")
         obj = getattr(obj, part)
+        done.append(part)
     if not callable(obj):
         raise ValueError(f"{field}: {path!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def _module_hint(module_name: str, exc: Exception, attr: str) -> str:
+    """`` (did you mean 'pkg.close:attr'?)`` when ``module_name``'s last part is missing from a
+    package that imports, and a module of that package has a close name; else ``""``."""
+    parent, _, last = module_name.rpartition(".")
+    if not isinstance(exc, ModuleNotFoundError) or exc.name != module_name:
+        return ""
+    try:
+        siblings = [m.name for m in pkgutil.iter_modules(importlib.import_module(parent).__path__)] if parent \
+            else [m.name for m in pkgutil.iter_modules()]
+    except Exception:  # noqa: BLE001 - a hint only
+        return ""
+    close = difflib.get_close_matches(last, siblings, n=1)
+    return f" (did you mean {(parent + '.' if parent else '') + close[0] + ':' + attr!r}?)" if close else ""
 
 
 def source_file(path: str) -> str | None:

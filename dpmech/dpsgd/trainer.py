@@ -63,7 +63,8 @@ Training data: in-memory tensors ``x_train [N, ...]``, ``y_train [N]`` (the fast
 one indexing), or a **map-style dataset** in place of ``x_train`` (``y_train`` omitted): anything
 with ``len`` and ``__getitem__(i) -> (x_i, y_i)``, e.g. a ``torch.utils.data.Dataset`` that reads
 images from disk; a ``DataLoader`` stands for its ``dataset`` and ``collate_fn`` (its sampler,
-shuffling and batch size are not used). The privacy reading is the same: N = ``len(dataset)``,
+shuffling and batch size are not used; a ``LoaderSettingsIgnored`` warning says so, once per
+process). The privacy reading is the same: N = ``len(dataset)``,
 and each step draws its Poisson sample over the indices 0 .. N-1 (each independently with
 probability q) and fetches exactly those examples, collated by ``default_collate``. An iterable
 dataset has no random access and is refused: Poisson sampling cannot be done on a stream.
@@ -262,12 +263,37 @@ def model_conversion(model: nn.Module) -> str:
     return shown if len(done) <= 20 else f"{shown}; and {len(done) - 20} more ({len(done)} layers)"
 
 
+_LOADER_WARNED = False
+
+
+class LoaderSettingsIgnored(UserWarning):
+    """A DataLoader's batch size, shuffling and sampler do not steer DP-SGD (Poisson sampling does)."""
+
+
+def _warn_loader_settings(loader) -> None:
+    """Warn once per process that a DataLoader's ``batch_size``, ``shuffle`` and sampler are not used:
+    each step is a Poisson sample of the loader's dataset with q = ``config.batch_size`` / N (the
+    sampling the privacy analysis assumes, Abadi et al. 2016, Algorithm 1 with Poisson lots)."""
+    global _LOADER_WARNED
+    if _LOADER_WARNED:
+        return
+    _LOADER_WARNED = True
+    from torch.utils.data import RandomSampler
+
+    shuffle = isinstance(getattr(loader, "sampler", None), RandomSampler)
+    warnings.warn(f"DPSGDTrainer: the DataLoader's batch_size ({loader.batch_size}) and shuffle ({shuffle}) are not "
+                  f"used; each step draws a Poisson sample of its dataset with q = config.batch_size / N, the "
+                  f"sampling the guarantee rests on (pass the dataset itself to silence this; warned once)",
+                  LoaderSettingsIgnored, stacklevel=4)
+
+
 def _map_style(source):
     """(dataset, collate_fn) of a map-style dataset or a DataLoader over one; a ValueError otherwise."""
     from torch.utils.data import DataLoader, IterableDataset, default_collate
 
     collate = default_collate
     if isinstance(source, DataLoader):
+        _warn_loader_settings(source)
         collate = source.collate_fn or default_collate
         source = source.dataset
     if isinstance(source, IterableDataset) or not (hasattr(source, "__len__") and hasattr(source, "__getitem__")):
