@@ -11,36 +11,20 @@ Importing any trainable (this package) in the Tune driver also:
 * drops dp-accounting's ``_compute_log_a_frac failed to converge`` warnings (``quiet_accounting_logs``):
   the RDP accountant logs one per fractional order it cannot evaluate, excludes that order and
   still returns a valid epsilon; the lines said nothing a user can act on and buried the useful ones.
+  The filter lives in ``dpmech.privacy.quiet``; dpmech installs it too, when its accounting is imported.
 
 ``FinalMetricOptunaSearch`` (``trainables.search``): ``OptunaSearch`` for final-only metrics.
 """
 
 from __future__ import annotations
 
-import logging
 import os
+
+from dpmech.privacy.quiet import quiet_accounting_logs
 
 __all__ = ["FinalMetricOptunaSearch", "quiet_accounting_logs"]
 
 os.environ.setdefault("TUNE_DISABLE_STRICT_METRIC_CHECKING", "1")
-
-
-class _AccountingNoiseFilter(logging.Filter):
-    """Drops dp-accounting's per-order convergence warnings (absl logger); keeps every other record."""
-
-    MESSAGES = ("_compute_log_a_frac failed to converge",)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not isinstance(record.msg, str):
-            return True
-        return not any(m in record.msg for m in self.MESSAGES)
-
-
-def quiet_accounting_logs() -> None:
-    """Install ``_AccountingNoiseFilter`` on the ``absl`` logger (once per process)."""
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _AccountingNoiseFilter) for f in logger.filters):
-        logger.addFilter(_AccountingNoiseFilter())
 
 
 quiet_accounting_logs()

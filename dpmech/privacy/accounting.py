@@ -25,6 +25,9 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpmech._validate import non_negative, open_unit, positive, unit_interval
+from dpmech.privacy.quiet import quiet_accounting_logs
+
+quiet_accounting_logs()  # dp-accounting's per-order convergence warnings (dpmech.privacy.quiet)
 
 # Orders (alphas) of the RDP curve: dp-accounting's default grid plus the integer orders up to
 # 256, dense enough that the reported epsilon agrees with Opacus's and dp-accounting's to 1e-3.
