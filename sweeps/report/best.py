@@ -21,8 +21,10 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import quote
+
+import numpy as np
 
 from trainables.tracking import TAG_PARENT, TAG_TRIAL, retry
 
@@ -42,6 +44,8 @@ class Best:
     n_runs: int               # child runs in that view
     private: bool             # tuning_privacy: the best trial is the released one
     claims_privacy: bool = True  # some trial's epsilon is a guarantee for its training data
+    selection: Selection | None = None  # the best configuration over its repeats and its runner-up
+    split: str = "none"       # the spec's selection.split (where the held-out score comes from)
 
 
 def best_trial(rows: list[dict], metric: str, mode: str) -> dict | None:
@@ -50,6 +54,151 @@ def best_trial(rows: list[dict], metric: str, mode: str) -> dict | None:
     from sweeps.spec.tuning import best_row
 
     return best_row(rows, metric, mode)
+
+
+# --------------------------------------------------------------------------- the best configuration
+
+HELD_OUT = "heldout_"   # trainables.runtime.HELD_OUT: the metric on images selection never saw
+ALPHA = 0.05            # level of the significance statement
+
+
+@dataclass
+class ConfigScore:
+    """One configuration's repeats: the statistic selection compares, and mean, spread and n."""
+
+    key: tuple                 # the configured values that define it (all but seed / repeat)
+    rows: list[dict]           # its finished trials with a finite metric
+    values: list[float]        # their metric, in the rows' order
+    seeds: list                # their seeds (pairing key of the paired test)
+    statistic: float           # what selection compared (mean, median or worst)
+    mean: float
+    sd: float                  # sample standard deviation (ddof 1); NaN for one trial
+    held_out: tuple[float, float, int] | None = None   # mean, sd, n of heldout_<metric>, when the trials have it
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+
+@dataclass
+class Selection:
+    """The best configuration, its runner-up, and whether the lead is significant over the seeds."""
+
+    metric: str
+    mode: str
+    statistic: str
+    best: ConfigScore | None
+    runner_up: ConfigScore | None
+    test: str                  # "paired t-test", "Welch's t-test" or "" (not testable)
+    p_value: float             # NaN when not testable
+    pairs: int                 # matching seeds of the paired test
+    configurations: int        # configurations compared
+
+    @property
+    def significant(self) -> bool | None:
+        return None if not self.test or not math.isfinite(self.p_value) else self.p_value < ALPHA
+
+    def statement(self) -> str:
+        """The significance statement, one sentence (docs/report.md)."""
+        if self.best is None:
+            return ""
+        if self.runner_up is None:
+            return "only one configuration: nothing to compare"
+        if not self.test:
+            return (f"not tested: the best and the runner-up have {self.best.n} and {self.runner_up.n} trial(s); with "
+                    "one trial per configuration seed-to-seed spread cannot be told from a real difference (repeat "
+                    "them with search.num_samples)")
+        how = (f"{self.test} on {self.pairs} matching seeds" if self.test.startswith("paired") else
+               f"{self.test}, {self.best.n} and {self.runner_up.n} seeds")
+        if not math.isfinite(self.p_value):
+            return f"the best and the runner-up score the same on every seed ({how}): not significantly different"
+        if self.significant:
+            return f"the best is significantly {'above' if self.mode == 'max' else 'below'} the runner-up ({how}, " \
+                   f"p = {self.p_value:.2g} < {ALPHA:g})"
+        return (f"the best and the runner-up are not significantly different over the seeds ({how}, p = "
+                f"{self.p_value:.2g} >= {ALPHA:g}): the choice between them is within seed-to-seed spread")
+
+
+def _stat(values: list[float], statistic: str, mode: str) -> float:
+    arr = np.asarray(values, dtype=np.float64)
+    if statistic == "median":
+        return float(np.median(arr))
+    if statistic == "worst":
+        return float(arr.min() if mode == "max" else arr.max())
+    return float(arr.mean())
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def select_configuration(rows: list[dict], metric: str, mode: str = "max", statistic: str = "mean", *,
+                         config_of, seed_of=lambda r: None, done=lambda r: True) -> Selection:
+    """The best configuration by ``statistic`` (mean, median or worst) of ``metric`` over its repeats
+    (issue 34, point 1): ``config_of(row)`` gives a row's configuration (hashable; every configured
+    value but seed and repeat), ``seed_of(row)`` its seed, ``done(row)`` whether it finished. Ties
+    keep the configuration seen first. The runner-up is the next best; their difference is tested
+    over the seeds: a paired t-test (scipy.stats.ttest_rel) when both ran the same seeds (at least
+    two), else Welch's unequal-variance t-test (ttest_ind, equal_var=False); one trial on either side
+    is not testable."""
+    groups: dict = {}
+    for r in rows:
+        if done(r) and _finite(r.get(metric)):
+            groups.setdefault(config_of(r), []).append(r)
+    scored = []
+    for key, members in groups.items():
+        vals = [float(r[metric]) for r in members]
+        held = [float(r[HELD_OUT + metric]) for r in members if _finite(r.get(HELD_OUT + metric))]
+        scored.append(ConfigScore(
+            key, members, vals, [seed_of(r) for r in members], _stat(vals, statistic, mode), float(np.mean(vals)),
+            float(np.std(vals, ddof=1)) if len(vals) > 1 else math.nan,
+            (float(np.mean(held)), float(np.std(held, ddof=1)) if len(held) > 1 else math.nan, len(held))
+            if held else None))
+    sign = 1.0 if mode == "max" else -1.0
+    order = sorted(range(len(scored)), key=lambda i: (-sign * scored[i].statistic, i))
+    best = scored[order[0]] if order else None
+    runner = scored[order[1]] if len(order) > 1 else None
+    test, p, pairs = "", math.nan, 0
+    if best is not None and runner is not None and best.n > 1 and runner.n > 1:
+        from scipy import stats
+
+        a = dict(zip(best.seeds, best.values))
+        b = dict(zip(runner.seeds, runner.values))
+        common = [s for s in a if s is not None and s in b]
+        if len(common) >= 2 and len(a) == best.n and len(b) == runner.n and set(a) == set(b):
+            test, pairs = "paired t-test", len(common)
+            diff = np.array([a[s] - b[s] for s in common])
+            p = float(stats.ttest_rel([a[s] for s in common], [b[s] for s in common]).pvalue) if diff.any() else math.nan
+        else:
+            test = "Welch's t-test"
+            same = np.ptp(best.values) == 0 and np.ptp(runner.values) == 0 and best.values[0] == runner.values[0]
+            p = math.nan if same else float(stats.ttest_ind(best.values, runner.values, equal_var=False).pvalue)
+    return Selection(metric, mode, statistic, best, runner, test, p, pairs, len(scored))
+
+
+def config_key_from_cfg(row: dict) -> tuple:
+    """A console row's configuration: its trainable and every ``cfg.<key>`` but seed and repeat."""
+    return (row.get("trainable"),) + tuple(sorted((k, json.dumps(v, sort_keys=True, default=str))
+                                                  for k, v in row.items()
+                                                  if k.startswith("cfg.") and k not in ("cfg.seed", "cfg.repeat")))
+
+
+def describe_stats(score: ConfigScore, metric: str) -> str:
+    """``mean ± sd (n = k)``, or the value alone for one trial."""
+    if score.n == 1:
+        return f"{metric} = {_fmt(score.mean)} (one trial)"
+    return f"{metric} = {_fmt(score.mean)} ± {score.sd:.2g} (mean ± sd over n = {score.n} seeds)"
+
+
+def describe_held_out(score: ConfigScore | None, metric: str, split: str = "") -> str:
+    """The chosen configuration's score on images selection never saw (``heldout_<metric>``)."""
+    if score is None or score.held_out is None:
+        return ""
+    mean, sd, n = score.held_out
+    spread = f" ± {sd:.2g} (n = {n})" if n > 1 else ""
+    where = {"validation": "the test images (selection read the validation images)",
+             "test_half": "the test images selection did not read"}.get(split, "images selection never saw")
+    return f"held-out {metric} = {_fmt(mean)}{spread} on {where}"
 
 
 def claims_privacy(trainables) -> bool:
@@ -101,9 +250,32 @@ def child_runs(client, info: dict) -> dict[str, str]:
     return {r.data.tags.get(TAG_TRIAL, r.info.run_id): r.info.run_id for r in ordered}
 
 
+def choose(spec, rows: list[dict]) -> tuple[dict | None, Selection | None]:
+    """The best of a finished sweep's console rows (issue 34, point 1): without tuning_privacy the
+    best *configuration* by ``selection.statistic`` over its repeats, represented by its first trial;
+    with it the released trial (each candidate its own configuration). (row, selection)."""
+    metric, mode = spec.search.metric, spec.search.mode or "max"
+    if not metric:
+        return None, None
+    private = spec.tuning_privacy is not None
+    sel_spec = getattr(spec, "selection", None)
+    statistic = getattr(sel_spec, "statistic", "mean")
+    selection = select_configuration(
+        rows, metric, mode, statistic,
+        config_of=(lambda r: r.get("trial_id")) if private else config_key_from_cfg,
+        seed_of=lambda r: r.get("cfg.seed"), done=lambda r: r.get("status") == "DONE")
+    if private:
+        return best_trial(rows, metric, mode), selection
+    return (selection.best.rows[0] if selection.best is not None else None), selection
+
+
 def record_best(info: dict, spec, rows: list[dict]) -> Best:
-    """Find the best trial by ``spec.search.metric``, tag it and the compare view on the parent run
-    (only the compare view when the spec names no metric)."""
+    """Find the best configuration by ``spec.search.metric`` (``choose``), tag it and the compare
+    view on the parent run (only the compare view when the spec names no metric): tags
+    ``dpsweep.best_trial_id`` / ``dpsweep.best_run_id`` (its first trial), ``dpsweep.best_trial_ids``
+    (all its trials), ``dpsweep.best_metric``, ``dpsweep.best_significance``; metrics
+    ``best_<metric>`` (the statistic selection compared), ``best_<metric>_mean``, ``_sd``, ``_n`` and
+    ``best_heldout_<metric>`` (its mean on the held-out images of a selection split)."""
     from mlflow.entities import Metric, RunTag
     from mlflow.tracking import MlflowClient
 
@@ -111,9 +283,10 @@ def record_best(info: dict, spec, rows: list[dict]) -> Best:
     children = child_runs(client, info)
     url = compare_url(ui_base(info["tracking_uri"]), info["experiment_id"], list(children.values()))
     metric, mode = spec.search.metric, spec.search.mode or "max"
-    row = best_trial(rows, metric, mode) if metric else None
+    row, selection = choose(spec, rows)
     run_id = children.get(str(row.get("trial_id", ""))) if row else None
     tags, metrics = [], []
+    now = int(time.time() * 1000)
     if url:
         tags.append(RunTag("dpsweep.compare_url", url if len(url) <= MAX_TAG else
                            f"{len(children)} runs: too many for one tag; open the experiment's runs view"))
@@ -122,26 +295,65 @@ def record_best(info: dict, spec, rows: list[dict]) -> Best:
                  RunTag("dpsweep.best_metric", f"{metric} ({mode})")]
         if run_id:
             tags.append(RunTag("dpsweep.best_run_id", run_id))
-        metrics.append(Metric(f"best_{metric}", float(row[metric]), int(time.time() * 1000), 0))
+        b = selection.best if selection is not None else None
+        private = spec.tuning_privacy is not None
+        value = float(row[metric]) if private or b is None else b.statistic
+        metrics.append(Metric(f"best_{metric}", value, now, 0))
+        if b is not None and not private:
+            tags += [RunTag("dpsweep.best_trial_ids", ",".join(str(r.get("trial_id", "")) for r in b.rows)[:MAX_TAG]),
+                     RunTag("dpsweep.best_significance", selection.statement()[:MAX_TAG])]
+            metrics += [Metric(f"best_{metric}_mean", b.mean, now, 0), Metric(f"best_{metric}_n", float(b.n), now, 0)]
+            if math.isfinite(b.sd):
+                metrics.append(Metric(f"best_{metric}_sd", b.sd, now, 0))
+        held = row.get(HELD_OUT + metric) if private else (b.held_out[0] if b is not None and b.held_out else None)
+        if _finite(held):
+            metrics.append(Metric(f"best_{HELD_OUT}{metric}", float(held), now, 0))
     if tags or metrics:
         retry(lambda: client.log_batch(info["parent_run_id"], metrics=metrics, tags=tags), what="log_batch(best)")
     return Best(metric or "", mode, row, run_id, url, len(children), spec.tuning_privacy is not None,
-                claims_privacy([row.get("trainable") for row in rows]) if rows else True)
+                claims_privacy([row.get("trainable") for row in rows]) if rows else True, selection,
+                getattr(getattr(spec, "selection", None), "split", "none"))
 
 
 def describe_best(best: Best, shown_keys: list[str] | None = None, n: int | None = None) -> str:
-    """The console's ``best:`` line: trial, metric value, its swept values and the caveat."""
+    """The console's ``best:`` lines: the configuration (its swept values), the statistic with
+    mean ± sd and n over its seeds, the runner-up and the significance statement, the held-out score,
+    and the caveat."""
     if not best.metric:
         return "best:     no best trial (the spec sets no single search.metric)"
     if best.row is None:
         return f"best:     no finished trial has {best.metric}"
     r = best.row
-    keys = [k for k in (shown_keys or []) if k in r]
+    keys = [k for k in (shown_keys or []) if k in r and k not in ("cfg.seed", "cfg.repeat")]
     values = ", ".join(f"{k[len('cfg.'):] if k.startswith('cfg.') else k}={_fmt(r[k])}" for k in keys)
     where = f" ({values})" if values else ""
     run = f", run {best.run_id}" if best.run_id else ""
-    return (f"best:     trial {r.get('trial_id', '?')}{where} with {best.metric} = {_fmt(r[best.metric])} "
-            f"({best.mode}{run}); {selection_caveat(best.private, n if n is not None else 0, best.claims_privacy)}")
+    caveat = selection_caveat(best.private, n if n is not None else 0, best.claims_privacy)
+    sel, pad = best.selection, "\n          "
+    if best.private or sel is None or sel.best is None or sel.best.n == 1:
+        out = (f"best:     trial {r.get('trial_id', '?')}{where} with {best.metric} = {_fmt(r[best.metric])} "
+               f"({best.mode}{run}); {caveat}")
+        if sel is not None and not best.private and sel.runner_up is not None:
+            out += pad + sel.statement()
+    else:
+        b = sel.best
+        chosen = "" if sel.statistic == "mean" else f"; chosen by its {sel.statistic} {_fmt(b.statistic)}"
+        ids = ", ".join(str(x.get("trial_id", "?")) for x in b.rows)
+        out = (f"best:     configuration{where or ' ' + str(r.get('trainable', ''))}: "
+               f"{describe_stats(b, best.metric)}{chosen} ({best.mode}; trials {ids}{run})")
+        if sel.runner_up is not None:
+            out += pad + f"runner-up {describe_stats(sel.runner_up, best.metric)}; {sel.statement()}"
+        out += pad + caveat
+    if best.private:
+        held = r.get(HELD_OUT + best.metric)
+        if _finite(held):
+            out += pad + (f"held-out {best.metric} of the released trial = {_fmt(held)} (the headline: images "
+                          "selection never saw)")
+    else:
+        text = describe_held_out(sel.best if sel is not None else None, best.metric, best.split)
+        if text:
+            out += pad + text + " (the score to quote: selection never read them)"
+    return out
 
 
 def _fmt(v) -> str:
