@@ -172,6 +172,12 @@ def _final_metric_optuna():
     return FinalMetricOptunaSearch
 
 
+def _trial_dirname():
+    from trainables.search import trial_dirname
+
+    return trial_dirname
+
+
 def search_algorithm(spec):
     """None (Ray's variant generator over the pre-expanded trials) or Optuna, single- or
     multi-objective."""
@@ -245,6 +251,8 @@ def build_tuner(spec, *, storage: str, run_name: str, mlflow_info: dict, param_s
         num_samples=spec.search.num_samples if spec.search.algorithm == "optuna" else 1,
         max_concurrent_trials=spec.max_concurrent_trials,
         reuse_actors=True,  # function trainables: keeps imports warm between trials
+        # Optuna: the trial directory named after the drawn values, not the constant _mlflow mapping
+        trial_dirname_creator=_trial_dirname() if spec.search.algorithm == "optuna" else None,
     )
     run_config = tune.RunConfig(
         name=run_name,
