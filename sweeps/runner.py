@@ -82,24 +82,47 @@ class CheckpointCleaner(tune.Callback):
     to MLflow and closed its child run before its last result, and neither ``dpsweep resume`` nor
     a retry ever restores it, so its checkpoints (tens of MB each) are dead weight. Errored trials
     keep theirs (``resume`` retries them from it). ``keep_checkpoints: true`` disables this.
+
+    Only once the completion is durable (issue 33, point 1): Tune records a trial's completion in
+    its experiment snapshot some seconds later. A driver that dies in between leaves a snapshot that
+    says RUNNING, and ``dpsweep resume`` restores that trial from its checkpoint (the trial then
+    finds its FINISHED child run and reports it without training). So a completed trial's
+    checkpoints are deleted one snapshot after the one that recorded it (Tune calls ``get_state``
+    while it writes each snapshot, after the trials' statuses), and at the end of the experiment
+    after Tune's final snapshot.
     """
 
     def __init__(self):
         self.removed = 0
         self.failed: list[str] = []
+        self._completed: list = []     # complete, not yet in a snapshot
+        self._recorded: list = []      # in the snapshot being written (or written)
 
     def on_trial_complete(self, iteration, trials, trial, **info):
+        self._completed.append(trial)
+
+    def get_state(self):
+        self._delete(self._recorded)   # recorded by the previous snapshot: durable by now
+        self._recorded, self._completed = self._completed, []
+        return None                    # nothing of its own to save
+
+    def on_experiment_end(self, trials, **info):
+        self._delete(self._recorded)   # Tune's final snapshot (written and synced) came before
+
+    def _delete(self, done: list) -> None:
         from pyarrow import fs as pafs
 
-        try:
-            filesystem, path = trial.storage.storage_filesystem, trial.path
-            listing = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
-            for entry in listing:
-                if entry.type == pafs.FileType.Directory and entry.base_name.startswith("checkpoint_"):
-                    filesystem.delete_dir(entry.path)
-            self.removed += 1
-        except Exception as exc:  # noqa: BLE001 - disk hygiene must never fail a sweep
-            self.failed.append(f"{trial.trial_id}: {exc}")
+        for trial in done:
+            try:
+                filesystem, path = trial.storage.storage_filesystem, trial.path
+                listing = filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+                for entry in listing:
+                    if entry.type == pafs.FileType.Directory and entry.base_name.startswith("checkpoint_"):
+                        filesystem.delete_dir(entry.path)
+                self.removed += 1
+            except Exception as exc:  # noqa: BLE001 - disk hygiene must never fail a sweep
+                self.failed.append(f"{trial.trial_id}: {exc}")
+        done.clear()
 
 
 SHOWN_KEYS = ("epsilon", "delta", "attack_bound", "psi", "seed")  # shown for every trial that has them

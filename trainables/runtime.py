@@ -128,7 +128,7 @@ def _load_checkpoint(directory: Path, device: torch.device) -> tuple[dict, dict]
     return state, meta
 
 
-def finished_run_metrics(info: dict, trial_id: str) -> dict[str, float] | None:
+def finished_run_metrics(info: dict, trial_id: str, key: str | None = None) -> dict[str, float] | None:
     """The metrics of the trial's child run (the latest value of each: the final metrics and the
     last epoch's) if MLflow already has the run FINISHED, else None.
 
@@ -139,17 +139,13 @@ def finished_run_metrics(info: dict, trial_id: str) -> dict[str, float] | None:
     (issue 24, point 11)."""
     from mlflow.tracking import MlflowClient
 
-    from trainables.tracking import TAG_PARENT, TAG_TRIAL, retry
+    from trainables.tracking import find_trial_run
 
     client = MlflowClient(info["tracking_uri"])
-    flt = f"tags.`{TAG_TRIAL}` = '{trial_id}'"
-    if info.get("parent_run_id"):
-        flt += f" and tags.`{TAG_PARENT}` = '{info['parent_run_id']}'"
-    runs = retry(lambda: client.search_runs([str(info["experiment_id"])], filter_string=flt, max_results=1),
-                 what="search_runs(trial)")
-    if not runs or runs[0].info.status != "FINISHED":
+    run = find_trial_run(client, str(info["experiment_id"]), info.get("parent_run_id"), trial_id, key)
+    if run is None or run.info.status != "FINISHED":
         return None
-    return dict(runs[0].data.metrics)
+    return dict(run.data.metrics)
 
 
 def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable: str, *, noise_key=None) -> None:
@@ -169,16 +165,17 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
 
     cfg = validate_config(config, schema)
     info = mlflow_info(config)
-    done = finished_run_metrics(info, tune.get_context().get_trial_id()) if info else None
+    key = trial_key(cfg, trainable, config)
+    done = finished_run_metrics(info, tune.get_context().get_trial_id(), key) if info else None
     if done is not None:  # it finished, but Ray never had its final result: report it, run nothing
         tune.report({**done, "epoch": cfg.epochs, "evaluated": 1.0})
         return
     device = _device()
-    # a selection split (issue 34, point 2): xt/yt become the images selection reads; xh/yh the held-out ones
-    x, y, xt, yt, xh, yh = selection_images(x, y, xt, yt, cfg)
     train, test = load_splits(cfg.dataset, train_size=cfg.train_size, test_size=cfg.test_size, seed=cfg.data_seed)
     x, y = (t.to(device) for t in train.tensors)
     xt, yt = (t.to(device) for t in test.tensors)
+    # a selection split (issue 34, point 2): xt/yt become the images selection reads; xh/yh the held-out ones
+    x, y, xt, yt, xh, yh = selection_images(x, y, xt, yt, cfg)
     canaries = audit_canaries(cfg, device)
     if canaries is not None:  # the included canaries join the training set (docs/audit.md)
         cx, cy = canaries.members()
@@ -200,7 +197,7 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         dumped = cfg.model_dump()
         name = run_name(trainable, dumped, (info.get("swept") or {}).get(trainable, ()))
         tracker = TrialTracker.open(info, trial_id=ctx.get_trial_id(), trial_name=name,
-                                    trainable=trainable, run_id=meta.get("mlflow_run_id"))
+                                    trainable=trainable, run_id=meta.get("mlflow_run_id"), key=key)
         meta["mlflow_run_id"] = tracker.run_id
         from dpmech.datasets.user_code import (
             source_params,  # a user's model/dataset: its source's hash (this attempt's: tags)
@@ -240,11 +237,11 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         t0 = time.perf_counter()
         last_loss = meta["history"][-1].get("train_loss") if meta["history"] else None
         if diverged:   # nothing to evaluate: a status, not a score (no retry: it would diverge again)
-            if xh is not None:   # the same evaluation on images selection never saw: heldout_<metric>
-                final["metrics"].update(held_out_metrics(mech, cfg, xh, yh))
             final = {"metrics": {"diverged": 1.0, **mech.privacy()}, "certification": None, "smoothing": None}
         else:
             final = evaluate(mech, cfg, xt, yt, train_loss=last_loss)
+            if xh is not None:   # the same evaluation on images selection never saw: heldout_<metric>
+                final["metrics"].update(held_out_metrics(mech, cfg, xh, yh))
         if not cfg.diagnostics:
             final["metrics"] = drop(final["metrics"], diagnostic_names(schema))
         if audit_settings(cfg) is not None and not diverged:  # black-box canaries, or the engine's white-box ones
@@ -277,6 +274,9 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
                 tracker.finish("FAILED" if isinstance(exc, Exception) else "KILLED")
             except Exception:  # noqa: BLE001 - keep the original error
                 pass
+        raise
+
+
 HELD_OUT = "heldout_"  # prefix of the metrics measured on the held-out images of a selection split
 
 
@@ -289,9 +289,6 @@ def held_out_metrics(mech, cfg: CommonConfig, xh: torch.Tensor, yh: torch.Tensor
     out = evaluate(mech, cfg, xh, yh)["metrics"]
     skip = set(mech.privacy()) | {"loss_near_chance"}
     return {f"{HELD_OUT}{k}": float(v) for k, v in out.items() if k not in skip}
-
-
-        raise
 
 
 TAG_ERROR = "dpsweep.error"
@@ -346,10 +343,24 @@ def trial_noise_key(cfg: CommonConfig, trainable: str, config: dict, sweep_key=N
 
     if cfg.noise_source == "seed":
         return NoiseKey.reproducible(cfg.seed)
-    base = NoiseKey.resolve(sweep_key)
-    identity = json.dumps({"trainable": trainable, "config": cfg.model_dump(mode="json"),
-                           "repeat": trial_config(config).get("repeat")}, sort_keys=True, default=str)
-    return base.derive(identity)
+    return NoiseKey.resolve(sweep_key).derive(_identity_json(cfg, trainable, config))
+
+
+def _identity_json(cfg: CommonConfig, trainable: str, config: dict) -> str:
+    return json.dumps({"trainable": trainable, "config": cfg.model_dump(mode="json"),
+                       "repeat": trial_config(config).get("repeat")}, sort_keys=True, default=str)
+
+
+def trial_key(cfg: CommonConfig, trainable: str, config: dict) -> str:
+    """What identifies a trial across restarts (issue 33, points 1 and 2): a hash of its trainable,
+    its validated config and its repeat, never Ray Tune's trial id (a restarted errored trial, or a
+    trial re-created after a driver crash, gets a new id). Its child run carries it as the tag
+    ``dpsweep.trial_key``: a trial whose run is FINISHED reports that run and trains nothing, and
+    one whose run ended FAILED or KILLED logs into it again. Two trials of one sweep with the same
+    config and repeat are therefore one trial (a grid never has them; docs/faults.md)."""
+    import hashlib
+
+    return hashlib.sha256(_identity_json(cfg, trainable, config).encode()).hexdigest()[:32]
 
 
 def build_mechanism(mechanism_cls, cfg: CommonConfig, x, y, device, noise_key):

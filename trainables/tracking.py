@@ -7,9 +7,11 @@ fails the trial loudly; an error that cannot succeed (an unknown run or experime
 request: ``is_permanent``) fails it at once with MLflow's own message.
 
 A trial finds its child run in this order: the run id stored in its checkpoint; an existing run
-tagged with its Ray trial id under the same parent (a retry that crashed before its first
-checkpoint); otherwise it creates one. A retried or restored trial therefore never opens a
-second run.
+under the same parent tagged with its trial key (``dpsweep.trial_key``: its trainable, config and
+repeat, which survive a restart: ``trainables.runtime.trial_key``), or, for a run of an earlier
+release, with its Ray trial id (a retry that crashed before its first checkpoint, an errored trial
+that ``dpsweep resume`` restarts under a new Ray trial id, a trial Tune re-creates after a driver
+crash); otherwise it creates one. A retried or restored trial therefore never opens a second run.
 
 Nothing is logged twice: a trial that reopens its run (a retry, ``dpsweep resume``) first reads
 which (metric, step) pairs the run already holds, and ``log_metrics`` skips those. An interruption
@@ -28,7 +30,8 @@ from typing import Any, Callable, TypeVar
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-TAG_TRIAL = "dpsweep.trial_id"
+TAG_TRIAL = "dpsweep.trial_id"   # Ray Tune's id of the attempt that last opened the run
+TAG_KEY = "dpsweep.trial_key"    # what identifies the trial across restarts (trainables.runtime.trial_key)
 TAG_TRAINABLE = "dpsweep.trainable"
 TAG_PARENT = "mlflow.parentRunId"
 TAG_DEVICE = "dpsweep.device"
@@ -112,27 +115,26 @@ class TrialTracker:
 
     @classmethod
     def open(cls, info: dict, *, trial_id: str, trial_name: str, trainable: str,
-             run_id: str | None = None) -> "TrialTracker":
+             run_id: str | None = None, key: str | None = None) -> "TrialTracker":
         """Find or create the trial's child run (see the module docstring)."""
         from mlflow.tracking import MlflowClient
 
         uri, exp, parent = info["tracking_uri"], str(info["experiment_id"]), info.get("parent_run_id")
         client = MlflowClient(uri)
         if run_id is None:
-            flt = f"tags.`{TAG_TRIAL}` = '{trial_id}'"
-            if parent:
-                flt += f" and tags.`{TAG_PARENT}` = '{parent}'"
-            found = retry(lambda: client.search_runs([exp], filter_string=flt, max_results=1), what="search_runs")
-            if found:
-                run_id = found[0].info.run_id
+            found = find_trial_run(client, exp, parent, trial_id, key)
+            if found is not None:
+                run_id = found.info.run_id
         if run_id is None:
-            tags = {TAG_TRIAL: trial_id, TAG_TRAINABLE: trainable, "mlflow.runName": trial_name}
+            tags = {TAG_TRIAL: trial_id, TAG_TRAINABLE: trainable, "mlflow.runName": trial_name,
+                    **({TAG_KEY: key} if key else {})}
             if parent:
                 tags[TAG_PARENT] = parent
             run = retry(lambda: client.create_run(exp, tags=tags, run_name=trial_name), what="create_run")
             run_id = run.info.run_id
             return cls(uri, exp, parent, run_id, fresh=True)
         retry(lambda: client.update_run(run_id, status="RUNNING"), what="update_run")
+        retry(lambda: client.set_tag(run_id, TAG_TRIAL, trial_id), what="set_tag(trial id)")
         return cls(uri, exp, parent, run_id, logged=_logged_points(client, run_id))
 
     def log_params(self, params: dict[str, Any], tags: dict[str, str] | None = None) -> None:
@@ -171,6 +173,18 @@ class TrialTracker:
 
     def finish(self, status: str = "FINISHED") -> None:
         retry(lambda: self.client.set_terminated(self.run_id, status=status), what="set_terminated")
+
+
+def find_trial_run(client, experiment_id: str, parent: str | None, trial_id: str, key: str | None = None):
+    """The trial's child run under ``parent``: the one tagged with its trial key, else (a run of an
+    earlier release, without the key) the one tagged with its Ray trial id; None when there is none."""
+    scope = f" and tags.`{TAG_PARENT}` = '{parent}'" if parent else ""
+    for flt in ([f"tags.`{TAG_KEY}` = '{key}'"] if key else []) + [f"tags.`{TAG_TRIAL}` = '{trial_id}'"]:
+        found = retry(lambda: client.search_runs([experiment_id], filter_string=flt + scope, max_results=1,
+                                                 order_by=["attributes.start_time ASC"]), what="search_runs(trial)")
+        if found:
+            return found[0]
+    return None
 
 
 def _logged_points(client, run_id: str) -> set[tuple[str, int]]:

@@ -7,7 +7,8 @@ processes). When the moment comes, the process writes ``<marker dir>/<moment>-<p
 moments: ``dataset`` (the driver prepares the data, before Ray or any MLflow run), ``epoch``
 (inside a trial's first training epoch), ``evaluation`` (the trial evaluates after its last
 epoch), ``final_log`` (the trial logs its final artifacts to MLflow), ``finished`` (the trial's
-child run is FINISHED in MLflow, its final result not yet reported to Ray).
+child run is FINISHED in MLflow, its final result not yet reported to Ray), ``completed`` (the
+driver has been told a trial completed, before Tune's next experiment snapshot records it).
 """
 
 from __future__ import annotations
@@ -66,12 +67,25 @@ def _patch_tracking(module):
     module.TrialTracker.finish = finish_then_hold
 
 
+def _patch_runner(module):
+    cls = module.CheckpointCleaner
+    complete = cls.on_trial_complete
+
+    @functools.wraps(complete)
+    def complete_then_hold(self, *args, **kwargs):
+        complete(self, *args, **kwargs)
+        _hold("completed")
+
+    cls.on_trial_complete = complete_then_hold
+
+
 _PATCHES = {
     "dataset": ("dpmech.datasets.splits", _patch_data),
     "epoch": ("trainables.pixeldp", _patch_pixeldp),
     "evaluation": ("trainables.runtime", _patch_runtime),
     "final_log": ("trainables.artifacts", _patch_artifacts),
     "finished": ("trainables.tracking", _patch_tracking),
+    "completed": ("sweeps.runner", _patch_runner),
 }
 
 
