@@ -318,44 +318,58 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
     add(plot_claimed_vs_audited(trials, out / "claimed_vs_audited.png"), "Claimed vs audited epsilon",
         "claimed_vs_audited.png", "Each audited trial's empirical lower bound (its own confidence) against its claimed "
         "epsilon; above the dashed line y = x the claim is refuted (docs/audit.md).")
-    add(rp.plot_pareto(trials, "acc_clean", out / "pareto_accuracy.png", "conventional accuracy (clean)", refs),
-        "Privacy epsilon against conventional accuracy", "pareto_accuracy.png",
+    # issue 34 point 6: neutral words outside a DPAL study, the best configuration ringed, no near-duplicates
+    dpal = rp.dpal_study(trials)
+    clean = "conventional accuracy (clean)" if dpal else "clean accuracy"
+    params = dict(sweep.parent.data.params) if len(sweep.sweeps) == 1 else {}
+    best = rp.best_configuration(trials, params.get("search.metric"), params.get("search.mode") or "max")
+    one_mechanism = "trainable" in trials and trials["trainable"].nunique() == 1
+    layout = (lambda n: f"; DPAL paper Fig. {n} layout") if dpal else (lambda n: "")
+    pareto = rp.plot_pareto(trials, "acc_clean", out / "pareto_accuracy.png", clean, refs, best)
+    add(pareto, f"Privacy epsilon against {clean}", "pareto_accuracy.png",
         f"Every configuration a point{repeats}; a series (colour and marker) per value of the other swept keys, "
         "its line the series' Pareto front (no configuration of it has lower epsilon and higher accuracy). Privacy epsilons only: robustness mechanisms (PixelDP) are in their "
         "own figure, against their configured parameter.")
-    add(rp.plot_accuracy_vs_epsilon(trials, "acc_clean", out / "accuracy_vs_epsilon.png",
-                                    "conventional accuracy (clean)", refs),
-        "Clean accuracy against epsilon", "accuracy_vs_epsilon.png",
-        f"Configured epsilon on the x axis, a line per value of the other swept keys{repeats}.")
-    add(rp.plot_robustness(trials, "acc_clean", out / "robustness_accuracy.png", "conventional accuracy (clean)",
-                           refs),
-        "Robustness mechanisms: configured robustness epsilon against conventional accuracy",
+    if not (pareto and one_mechanism):  # one mechanism: the Pareto figure already draws accuracy against epsilon
+        add(rp.plot_accuracy_vs_epsilon(trials, "acc_clean", out / "accuracy_vs_epsilon.png", clean, refs, best),
+            "Clean accuracy against epsilon", "accuracy_vs_epsilon.png",
+            f"Configured epsilon on the x axis, a line per value of the other swept keys{repeats}.")
+    add(rp.plot_robustness(trials, "acc_clean", out / "robustness_accuracy.png", clean, refs, best),
+        f"Robustness mechanisms: configured robustness epsilon against {clean}",
         "robustness_accuracy.png", "PixelDP's epsilon is a robustness parameter, not a privacy guarantee" + repeats + ".")
     cert_metric = next((f"cert_acc_{s:.6g}" for s in sizes if f"cert_acc_{s:.6g}" in trials), None)
     if cert_metric:
         add(rp.plot_pareto(trials, cert_metric, out / "pareto_certified.png", f"certified accuracy ({cert_metric})",
-                           refs),
+                           refs, best),
             f"Privacy epsilon against certified accuracy ({cert_metric})", "pareto_certified.png")
         add(rp.plot_robustness(trials, cert_metric, out / "robustness_certified.png",
-                               f"certified accuracy ({cert_metric})", refs),
+                               f"certified accuracy ({cert_metric})", refs, best),
             f"Robustness mechanisms: configured robustness epsilon against certified accuracy ({cert_metric})",
             "robustness_certified.png")
-    add(rp.plot_certified_curves(sweep, "native", out / "cert_acc_vs_size.png", refs),
-        "Certified accuracy against attack size", "cert_acc_vs_size.png",
+    native = rp.plot_certified_curves(sweep, "native", out / "cert_acc_vs_size.png", refs, best)
+    add(native, "Certified accuracy against attack size", "cert_acc_vs_size.png",
         "From the per-example tables: any size can be read off, not only the configured ones. One curve per "
         "configuration (mean over its repeats, band one standard deviation).")
-    add(rp.plot_certified_curves(sweep, "smoothing", out / "smooth_cert_acc_vs_size.png", refs),
-        "Randomized-smoothing certified accuracy against l2 radius", "smooth_cert_acc_vs_size.png")
+    from sweeps.report.certified import certified_radius_section  # issue 36.3: the literature's figure and table
+
+    radius_lines, radius_files = certified_radius_section(sweep, refs, out, best, _md_table)
+    files.extend(f for f in radius_files if f.exists())
+    if not radius_lines:  # else the certified-radius section draws the smoothing curves
+        add(rp.plot_certified_curves(sweep, "smoothing", out / "smooth_cert_acc_vs_size.png", refs, best),
+            "Randomized-smoothing certified accuracy against l2 radius", "smooth_cert_acc_vs_size.png")
     fig2_size = _fig2_size(trials)
     if fig2_size is not None:
-        add(rp.plot_accuracy_vs_epsilon_per_attack(trials, fig2_size, out / "fig2_accuracy_vs_epsilon.png", refs),
-            f"Conventional accuracy against epsilon under each attack (size {fig2_size:g}; DPAL paper Fig. 2 layout)",
+        add(rp.plot_accuracy_vs_epsilon_per_attack(trials, fig2_size, out / "fig2_accuracy_vs_epsilon.png", refs, best),
+            f"{'Conventional accuracy' if dpal else 'Accuracy'} against epsilon under each attack (size "
+            f"{fig2_size:g}, {rp.norms(trials)}, [-1, 1] domain{layout(2)})",
             "fig2_accuracy_vs_epsilon.png", "Configured epsilon on the x axis" + repeats + ".")
     add(rp.plot_accuracy_vs_size_per_attack(trials, out / "fig4_accuracy_vs_attack_size.png", refs),
-        "Conventional accuracy against attack size (DPAL paper Fig. 4 layout)", "fig4_accuracy_vs_attack_size.png")
-    add(rp.plot_certified_vs_size_by_mechanism(sweep, out / "fig6_certified_vs_attack_size.png", refs),
-        "Certified accuracy against attack size by mechanism and epsilon (DPAL paper Fig. 6 layout)",
-        "fig6_certified_vs_attack_size.png")
+        f"{'Conventional accuracy' if dpal else 'Accuracy'} against attack size ({rp.norms(trials)}, [-1, 1] domain"
+        f"{layout(4)})", "fig4_accuracy_vs_attack_size.png")
+    if not (native and one_mechanism):  # one mechanism: the same curves as cert_acc_vs_size
+        add(rp.plot_certified_vs_size_by_mechanism(sweep, out / "fig6_certified_vs_attack_size.png", refs),
+            f"Certified accuracy against attack size by mechanism and epsilon{' (DPAL paper Fig. 6 layout)' if dpal else ''}",
+            "fig6_certified_vs_attack_size.png")
     for title, fname in _mechanism_figures(trials, out):
         figures.append((title, fname, ""))
     from sweeps.report.samples import sample_grid_figures  # generative trials' sample grids (dpgan, dp_merf)
@@ -403,6 +417,7 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
                   "Computed from each trial's per-example table (`dpsweep report --sizes ...` asks for others); "
                   "mean ± sd over each configuration's n repeats.", "",
                   *_md_table(cert_rows), ""]
+    lines += radius_lines
     dpal_rows = _dpal_rows(sweep)
     if dpal_rows:
         lines += ["## DPAL verified inference (per-example tables)", "",
@@ -444,28 +459,16 @@ def _best_section(sweep: Sweep, tracking_uri: str) -> list[str]:
     from sweeps.report.best import claims_privacy, compare_url, selection_caveat, ui_base
 
     params, tags, trials = dict(sweep.parent.data.params), sweep.parent_tags, sweep.trials
-    lines = ["## Best trial", ""]
     metric, mode = params.get("search.metric"), params.get("search.mode") or "max"
+    repeats = "group" in with_groups(finished(trials)) and with_groups(finished(trials))["group"].duplicated().any()
+    lines = ["## Best configuration" if repeats else "## Best trial", ""]
     if metric in (None, "", "null"):
         lines.append("The spec sets no single `search.metric`: no best trial is named (the figures show the "
                      "trade-offs).")
     elif metric not in trials or finished(trials).empty or finished(trials)[metric].dropna().empty:
         lines.append(f"No finished trial reports `{metric}`.")
     else:
-        fin = finished(with_groups(trials))
-        vals = fin[metric].astype(float)
-        vals = vals[vals.map(math.isfinite)]
-        best = fin.loc[vals.idxmax() if mode == "max" else vals.idxmin()]
-        agg = aggregate(fin, [])
-        label = dict(zip(agg["group"], agg["label"])).get(best["group"], best.get("trainable", ""))
-        private = "tuning_epsilon" in sweep.parent_metrics
-        label = "" if str(label) in str(best["run"]) else f" ({label})"  # child runs are named after it
-        lines.append(f"By `search.metric` = `{metric}` ({mode}): **`{best['run']}`**{label}, {metric} = "
-                     f"{float(best[metric]):.4g}, MLflow run `{best['run_id']}`"
-                     + (f" (tagged `dpsweep.best_run_id` on the parent run)" if tags.get("dpsweep.best_run_id") else "")
-                     + ".")
-        claims = claims_privacy(trials["trainable"].dropna().unique()) if "trainable" in trials else True
-        lines += ["", f"The choice: {selection_caveat(private, len(trials), claims)}."]
+        lines += _best_configuration(sweep, metric, mode, params)
     url = tags.get("dpsweep.compare_url", "")
     if not url.startswith("http") and "run_id" in trials and len(trials):
         url = compare_url(ui_base(tracking_uri), sweep.parent.info.experiment_id, list(trials["run_id"]))
@@ -473,6 +476,75 @@ def _best_section(sweep: Sweep, tracking_uri: str) -> list[str]:
         lines += ["", f"MLflow compare view of the {len(trials)} trials (parallel coordinates of the swept keys "
                   f"against a metric; run `mlflow ui` first for a local store): <{url}>"]
     return lines + [""]
+
+
+def _best_configuration(sweep: Sweep, metric: str, mode: str, params: dict) -> list[str]:
+    """The best configuration (issue 34, point 1; ``sweeps.report.best.select_configuration``): its
+    statistic with mean ± sd and n over its seeds, the runner-up and the significance statement, its
+    score on the held-out images of a selection split (point 2), and what covers the choice. A
+    tuning-private sweep's best is its released trial, whose held-out score is the headline."""
+    from sweeps.report.best import (
+        HELD_OUT,
+        claims_privacy,
+        describe_held_out,
+        describe_stats,
+        select_configuration,
+        selection_caveat,
+    )
+
+    trials = sweep.trials
+    fin = finished(with_groups(trials))
+    private = "tuning_epsilon" in sweep.parent_metrics
+    statistic = params.get("selection.statistic") or "mean"
+    split = params.get("selection.split") or "none"
+    rows = fin.to_dict("records")
+    sel = select_configuration(rows, metric, mode, statistic,
+                               config_of=(lambda r: r["run_id"]) if private else (lambda r: r["group"]),
+                               seed_of=lambda r: r.get("param.seed"))
+    agg = aggregate(fin, [])
+    labels = dict(zip(agg["group"], agg["label"])) if not agg.empty else {}
+    lines: list[str] = []
+    claims = claims_privacy(trials["trainable"].dropna().unique()) if "trainable" in trials else True
+    if private:
+        released = fin[fin["released"]] if "released" in fin else fin.iloc[0:0]
+        best = released.iloc[0] if len(released) else fin.loc[fin[metric].astype(float).idxmax() if mode == "max"
+                                                              else fin[metric].astype(float).idxmin()]
+        lines.append(f"By `search.metric` = `{metric}` ({mode}): the released trial **`{best['run']}`**, {metric} = "
+                     f"{float(best[metric]):.4g} on the selection images, MLflow run `{best['run_id']}`.")
+        held = best.get(HELD_OUT + metric)
+        if held is not None and math.isfinite(float(held)):
+            lines += ["", f"**Headline: held-out {metric} = {float(held):.4g}** on test images the selection never read "
+                      f"(`{HELD_OUT}{metric}`; the selection score above counts the selection's luck)."]
+        lines += ["", f"The choice: {selection_caveat(True, len(trials), claims)}."]
+        return lines
+    b = sel.best
+    label = labels.get(b.key, str(b.rows[0].get("trainable", "")))
+    runs = ", ".join(f"`{r['run']}`" for r in b.rows)
+    how = {"mean": "mean", "median": "median", "worst": "worst seed"}.get(statistic, statistic)
+    if b.n == 1:   # one trial per configuration: the trial is the configuration
+        one = b.rows[0]
+        shown = "" if str(label) in str(one["run"]) else f" ({label})"  # child runs are named after it
+        lines.append(f"By `search.metric` = `{metric}` ({mode}): **`{one['run']}`**{shown}, {metric} = "
+                     f"{float(one[metric]):.4g}, MLflow run `{one['run_id']}`"
+                     + (" (tagged `dpsweep.best_run_id` on the parent run)"
+                        if sweep.parent_tags.get("dpsweep.best_run_id") else "") + ".")
+    else:
+        lines.append(f"By `search.metric` = `{metric}` ({mode}), the best configuration by the {how} over its "
+                     f"repeats (`selection.statistic`): **{label}**: {describe_stats(b, metric)}"
+                     + (f", {statistic} {b.statistic:.4g}" if statistic != "mean" else "") + f"; trials {runs}.")
+    if sel.runner_up is not None:
+        lines += ["", f"Runner-up: {labels.get(sel.runner_up.key, '?')}: {describe_stats(sel.runner_up, metric)}. "
+                  f"{sel.statement()[0].upper() + sel.statement()[1:]}."]
+    held = describe_held_out(b, metric, split)
+    if held:
+        lines += ["", f"**Headline: {held}** (`{HELD_OUT}{metric}`): the score to quote, since selection never read "
+                  "these images; the selection score above is optimistic."]
+    elif split == "none":
+        lines += ["", "Selected and scored on the same test images (no `selection` split in the spec), so the best "
+                  "score is optimistic; `selection: {split: test_half}` or `{split: validation, size: N}` reports "
+                  "the chosen configuration on images selection never saw (docs/specs.md)."]
+    lines += ["", f"The choice: {selection_caveat(False, len(trials), claims)}."]
+    return lines
 
 
 def _dpal_rows(sweep: Sweep) -> list[dict]:

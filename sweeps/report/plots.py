@@ -8,6 +8,14 @@ an axis (colour and marker, with a legend), writes a PDF beside its PNG, and lab
 plain decimals. Published values of the spec's ``reference`` block are drawn as black stars
 on every figure whose axes they belong to (``refs``: ``report_data.reference_rows``).
 
+The same axis conventions hold in every figure (issue 34, point 6): an epsilon axis is
+logarithmic when the values span a factor of 4 or more, with its ticks at the swept values
+(``epsilon_axis``); the y range is fitted to what is drawn with a margin (``fit_ylim``), not fixed
+to 0..1; every attack size names its norm and domain; the best configuration by
+``search.metric`` (mean over its repeats, ``best_configuration``) is ringed. Labels are neutral
+("clean accuracy", "PGD") except in a study of the DPAL paper (``dpal_study``), whose figures
+keep that paper's words ("conventional accuracy", "MadryEtAl (PGD)", "Fig. 2 layout").
+
 * ``plot_pareto``: privacy epsilon against a utility metric, per mechanism, with each mechanism's
   front (trainables whose epsilon is a privacy guarantee only);
 * ``plot_robustness``: the same metric against the *configured* robustness epsilon, for the
@@ -49,9 +57,105 @@ from sweeps.report.data import as_number as _num
 
 ACC = re.compile(r"^acc_(fgsm|ifgsm|mim|pgd)_([0-9.eE+-]+)$")
 CERT = re.compile(r"^(smooth_)?cert_acc_([0-9.eE+-]+)$")
-ATTACK_LABEL = {"fgsm": "FGSM", "ifgsm": "I-FGSM", "mim": "MIM", "pgd": "MadryEtAl (PGD)"}
+ATTACK_LABEL = {"fgsm": "FGSM", "ifgsm": "I-FGSM", "mim": "MIM", "pgd": "PGD"}
+DPAL_ATTACK_LABEL = {**ATTACK_LABEL, "pgd": "MadryEtAl (PGD)"}  # the DPAL paper's name, in its studies only
+DPAL_TRAINABLES = ("dpal", "dpal_sound")
+NORM_LABEL = {"linf": "l-inf", "l2": "l2", "l1": "l1"}
+DOMAIN = "[-1, 1] domain"
+BEST = dict(s=260, facecolors="none", edgecolors="crimson", linewidths=1.8, zorder=6)
+MAX_SWEPT_TICKS = 12  # more swept values than this: decade ticks instead
 EPSILON_PARAMS = ("param.epsilon", "param.eps_t")  # the configured epsilon of each trainable
 STAR = dict(marker="*", s=140, color="black", edgecolors="white", linewidths=0.6, zorder=5)
+
+
+def dpal_study(trials) -> bool:
+    """A study of the DPAL paper (a ``dpal`` or ``dpal_sound`` trial): its figures keep the paper's
+    words; any other sweep gets neutral labels."""
+    return bool(len(trials)) and "trainable" in trials and bool(trials["trainable"].isin(DPAL_TRAINABLES).any())
+
+
+def attack_label(attack: str, dpal: bool = False) -> str:
+    return (DPAL_ATTACK_LABEL if dpal else ATTACK_LABEL)[attack]
+
+
+def norms(trials, keys=("param.attack_norm",), default="l2") -> str:
+    """The norm(s) of the trials' attack sizes as a label (``l-inf``, ``l2``, ``l2 / l-inf``); the
+    trial default (``attack_norm`` l2) where a trial logs none."""
+    seen = []
+    for _, row in finished(trials).iterrows():
+        value = next((row[k] for k in keys if k in row and isinstance(row[k], str)), default)
+        if value not in seen:
+            seen.append(value)
+    return " / ".join(NORM_LABEL.get(v, v) for v in seen) or NORM_LABEL[default]
+
+
+def size_label(trials, what: str = "attack size", keys=("param.attack_norm",)) -> str:
+    """An attack-size axis or title: its norm and its domain, e.g. ``attack size (l-inf, [-1, 1] domain)``."""
+    return f"{what} ({norms(trials, keys)}, {DOMAIN})"
+
+
+def epsilon_axis(ax, values, label: str) -> None:
+    """The epsilon axis of every figure: logarithmic when the values span a factor of 4 or more;
+    ticks at the swept values (plain decimals, no minor ticks; decade ticks past
+    ``MAX_SWEPT_TICKS`` values); ``label``."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    vals = sorted({float(f"{float(v):.3g}") for v in values if math.isfinite(_num(v)) and float(v) > 0})
+    if len(vals) >= 2 and vals[-1] / vals[0] >= 4:
+        ax.set_xscale("log")
+    if 1 <= len(vals) <= MAX_SWEPT_TICKS:
+        ax.xaxis.set_major_locator(FixedLocator(vals))
+        ax.xaxis.set_major_formatter(FuncFormatter(_plain))
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(label)
+
+
+def fit_ylim(axes, lo: float = 0.0, hi: float = 1.0, margin: float = 0.08) -> None:
+    """Fit the y range of ``axes`` (one axis or several that share y) to what is drawn on them
+    (lines, error bars, bands, published stars), with ``margin`` of the span on each side (at
+    least 0.01), never beyond [lo - 0.02, hi + 0.02]."""
+    axes = list(np.atleast_1d(axes).ravel())
+    y0 = min((float(ax.dataLim.y0) for ax in axes if np.isfinite(ax.dataLim.y0)), default=math.nan)
+    y1 = max((float(ax.dataLim.y1) for ax in axes if np.isfinite(ax.dataLim.y1)), default=math.nan)
+    if not (math.isfinite(y0) and math.isfinite(y1)):
+        return
+    pad = max(margin * (y1 - y0), 0.01)
+    for ax in axes:
+        ax.set_ylim(max(lo - 0.02, y0 - pad), min(hi + 0.02, y1 + pad))
+
+
+def best_configuration(trials, metric: str | None, mode: str = "max") -> dict | None:
+    """The best configuration by ``metric`` (its mean over its repeats; ``mode`` max or min) as
+    ``{column: value}`` of its trainable and configured parameters (``data.config_columns``), the
+    key ``is_best`` matches; None without the metric."""
+    from sweeps.report.data import _key_value, config_columns
+
+    if not metric or trials.empty or metric not in trials:
+        return None
+    agg = aggregate(trials, [metric])
+    if agg.empty:
+        return None
+    agg = agg[np.isfinite(agg[metric].astype(float))]
+    if agg.empty:
+        return None
+    row = agg.loc[agg[metric].astype(float).idxmin() if mode == "min" else agg[metric].astype(float).idxmax()]
+    cols = ["trainable", *[c for c in config_columns(finished(trials)) if c in agg]]
+    return {"_metric": metric, **{c: _key_value(row[c]) for c in cols}}
+
+
+def is_best(row, best: dict | None) -> bool:
+    """Whether an aggregated row (one configuration) is the ``best_configuration``."""
+    from sweeps.report.data import _key_value
+
+    if not best:
+        return False
+    return all(_key_value(row.get(c)) == v for c, v in best.items() if not c.startswith("_"))
+
+
+def mark_best(ax, x, y, best: dict) -> None:
+    """Ring the best configuration's point (one legend entry)."""
+    if math.isfinite(_num(x)) and math.isfinite(_num(y)):
+        ax.scatter([x], [y], label=f"best configuration by {best['_metric']} (mean over repeats)", **BEST)
 
 
 def _plt():
@@ -153,9 +257,10 @@ def plain_log_axis(axis) -> None:
         axis.set_minor_formatter(FuncFormatter(lambda v, p=None: ""))
 
 
-def _save_accuracy_panels(fig, axes, path) -> bool:
-    """The accuracy-vs-parameter panel grids' common ending: y label, legend, saved."""
-    axes[0][0].set_ylabel("conventional accuracy (mean ± sd)")
+def _save_accuracy_panels(fig, axes, path, dpal: bool = False) -> bool:
+    """The accuracy-vs-parameter panel grids' common ending: y label, fitted y range, legend, saved."""
+    axes[0][0].set_ylabel(("conventional accuracy" if dpal else "accuracy under attack") + " (mean ± sd)")
+    fit_ylim(axes)
     axes[0][-1].legend(fontsize=6)
     _save(fig, axes, path)
     return True
@@ -165,9 +270,11 @@ def _save(fig, ax_or_axes, path: Path, legend_fontsize=7) -> None:
     """Write ``path`` (PNG) and the same figure as a vector file (PDF) beside it; log axes get
     plain decimal tick labels."""
     plt = _plt()
+    from matplotlib.ticker import FixedLocator
+
     for ax in np.atleast_1d(ax_or_axes).ravel():
         for axis in (ax.xaxis, ax.yaxis):
-            if axis.get_scale() == "log":
+            if axis.get_scale() == "log" and not isinstance(axis.get_major_locator(), FixedLocator):
                 plain_log_axis(axis)
     fig.tight_layout()
     fig.savefig(path)
@@ -184,7 +291,7 @@ def _series(df, agg, exclude=EPSILON_PARAMS) -> list:
     return agg
 
 
-def plot_pareto(trials, metric: str, path: Path, ylabel: str, refs=()) -> bool:
+def plot_pareto(trials, metric: str, path: Path, ylabel: str, refs=(), best: dict | None = None) -> bool:
     """Each configuration (mean over its repeats, error bars one sd) as a point (privacy epsilon,
     ``metric``), one series (colour and marker) per value of the other swept keys, each series'
     front (of the means) as a step line. Only trainables whose epsilon is a privacy guarantee;
@@ -208,14 +315,17 @@ def plot_pareto(trials, metric: str, path: Path, ylabel: str, refs=()) -> bool:
         ax.step(e[front], a[front], where="post", color=st["color"], lw=1.3, alpha=0.6)
         ax.errorbar(e, a, yerr=_sd(g[f"{metric}.sd"]), xerr=_sd(g["epsilon.sd"]), fmt=st["marker"], color=st["color"],
                     ms=5, capsize=3, lw=1.2, zorder=3, label=series)
+    for r in agg.to_dict("records"):
+        if is_best(r, best):
+            mark_best(ax, r["epsilon"], r[metric], best)
     done: list = []
     _stars(ax, [(_ref_x(df, r["_where"], "epsilon"), r["published"], r["point"])
                 for r in refs if r["metric"] == metric], done)
     ax.set_xscale("log")
-    ax.set_xlabel("epsilon (privacy guarantee, per trial; mean over repeats)")
+    epsilon_axis(ax, agg["epsilon"], "privacy epsilon (measured per trial; mean over repeats)")
     ax.set_ylabel(ylabel + " (mean ± sd)")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3, which="both")
+    fit_ylim(ax)
+    ax.grid(alpha=0.3)
     ax.legend(fontsize=7, title="mean ± sd; line: the series' front", title_fontsize=7)
     _save(fig, ax, path)
     return True
@@ -227,7 +337,7 @@ def _robust_x(df) -> str | None:
     return "param.epsilon" if "param.epsilon" in df else None
 
 
-def plot_robustness(trials, metric: str, path: Path, ylabel: str, refs=()) -> bool:
+def plot_robustness(trials, metric: str, path: Path, ylabel: str, refs=(), best: dict | None = None) -> bool:
     """Trainables whose epsilon is a robustness parameter (PixelDP): ``metric`` against the
     configured robustness epsilon, a line per configuration of the other parameters (mean ± sd)."""
     if trials.empty or metric not in trials or "trainable" not in trials:
@@ -248,11 +358,14 @@ def plot_robustness(trials, metric: str, path: Path, ylabel: str, refs=()) -> bo
         g = g.sort_values("robustness_epsilon_config")
         ax.errorbar(g["robustness_epsilon_config"].to_numpy(float), g[metric].to_numpy(float),
                     yerr=_sd(g[f"{metric}.sd"]), capsize=3, label=series, **style(i))
+        for r in g.to_dict("records"):
+            if is_best(r, best):
+                mark_best(ax, r["robustness_epsilon_config"], r[metric], best)
     _stars(ax, [(_ref_x(df, r["_where"], "param.epsilon"), r["published"], r["point"])
                 for r in refs if r["metric"] == metric], [])
-    ax.set_xlabel("configured robustness epsilon (not a privacy guarantee)")
+    epsilon_axis(ax, agg["robustness_epsilon_config"], "robustness epsilon (configured; not a privacy guarantee)")
     ax.set_ylabel(ylabel + " (mean ± sd)")
-    ax.set_ylim(0, 1.02)
+    fit_ylim(ax)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     _save(fig, ax, path)
@@ -280,7 +393,7 @@ def _table_groups(sweep: Sweep, kind: str) -> tuple[dict, list[str]]:
     return groups, varying
 
 
-def plot_certified_curves(sweep: Sweep, kind: str, path: Path, refs=()) -> bool:
+def plot_certified_curves(sweep: Sweep, kind: str, path: Path, refs=(), best: dict | None = None) -> bool:
     """One curve per configuration from its trials' per-example tables (any attack size, not only
     configured ones): the mean over its repeats, a band of one sd."""
     groups, _ = _table_groups(sweep, kind)
@@ -289,6 +402,7 @@ def plot_certified_curves(sweep: Sweep, kind: str, path: Path, refs=()) -> bool:
     plt = _plt()
     grid = size_grid(sweep, kind)
     mechs = sorted({label.split()[0] for label, _ in groups.values()})
+    best_gids = _best_groups(sweep, best)
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
     for i, (gid, (label, tables)) in enumerate(sorted(groups.items())):
         curves = np.array([certified_accuracy_at(t, kind, grid) for t in tables])
@@ -296,8 +410,9 @@ def plot_certified_curves(sweep: Sweep, kind: str, path: Path, refs=()) -> bool:
         st = style(i)
         color = st["color"]
         ls = ("-", "--", ":", "-.")[mechs.index(label.split()[0]) % 4]
-        ax.plot(grid, mean, ls=ls, alpha=0.9, markevery=max(1, len(grid) // 8), ms=4,
-                label=f"{label} (n={len(tables)})", **st)
+        top = gid in best_gids
+        ax.plot(grid, mean, ls=ls, alpha=0.9, markevery=max(1, len(grid) // 8), ms=4, lw=3.0 if top else 1.5,
+                label=f"{label} (n={len(tables)})" + (f" [best by {best['_metric']}]" if top else ""), **st)
         if len(tables) > 1:
             sd = curves.std(axis=0, ddof=1)
             ax.fill_between(grid, mean - sd, mean + sd, color=color, alpha=0.15, lw=0)
@@ -305,10 +420,12 @@ def plot_certified_curves(sweep: Sweep, kind: str, path: Path, refs=()) -> bool:
     _stars(ax, [(float(r["metric"][len(prefix):]), r["published"], r["point"]) for r in refs
                 if r["metric"].startswith(prefix) and CERT.match(r["metric"]) and _matches_any(sweep.trials, r["_where"])
                 and bool(CERT.match(r["metric"]).group(1)) == (kind == "smoothing")], [])
-    what = "l2 radius, randomized smoothing" if kind == "smoothing" else "the mechanism's certified size"
-    ax.set_xlabel(f"attack size ([-1, 1] domain; {what})")
-    ax.set_ylabel("certified accuracy (mean ± sd over repeats)")
-    ax.set_ylim(0, 1.02)
+    if kind == "smoothing":
+        ax.set_xlabel(f"certified radius (l2, {DOMAIN}; randomized smoothing)")
+    else:
+        ax.set_xlabel(size_label(sweep.trials, "certified size", ("param.norm", "param.attack_norm")))
+    ax.set_ylabel("certified accuracy (mean ± sd)")
+    fit_ylim(ax)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
     _save(fig, ax, path)
@@ -345,7 +462,7 @@ def _series_name(row, varying) -> str:
     return name + ("" if _privacy(row.get("trainable")) else " (x: configured robustness eps)")
 
 
-def plot_accuracy_vs_epsilon_per_attack(trials, size: float, path: Path, refs=()) -> bool:
+def plot_accuracy_vs_epsilon_per_attack(trials, size: float, path: Path, refs=(), best: dict | None = None) -> bool:
     """Fig. 2's layout: a panel per attack at ``size``; accuracy against the configured epsilon,
     a line per configuration of the other parameters (mean ± sd over repeats)."""
     cols = {a: s[size] for a, s in _attack_columns(trials).items() if size in s}
@@ -361,6 +478,7 @@ def plot_accuracy_vs_epsilon_per_attack(trials, size: float, path: Path, refs=()
     if agg.groupby("_series")["_eps"].nunique().max() < 2:
         return False
     plt = _plt()
+    dpal = dpal_study(trials)
     attacks = [a for a in ATTACK_LABEL if a in cols]
     fig, axes = plt.subplots(1, len(attacks), figsize=(3.2 * len(attacks), 3.3), dpi=120, squeeze=False, sharey=True)
     for ax, attack in zip(axes[0], attacks):
@@ -369,15 +487,17 @@ def plot_accuracy_vs_epsilon_per_attack(trials, size: float, path: Path, refs=()
             g = g.sort_values("_eps")
             ax.errorbar(g["_eps"].to_numpy(float), g[col].to_numpy(float), yerr=_sd(g[f"{col}.sd"]),
                         capsize=2, ms=4, label=series, **style(i))
+            for r in g.to_dict("records"):
+                if is_best(r, best):
+                    mark_best(ax, r["_eps"], r[col], best)
         mean_metric = f"acc_attack_mean_{size:.6g}"  # published as an average over the attacks: on every panel
         _stars(ax, [(_ref_x(df, r["_where"], "_eps"), r["published"],
                      r["point"] + (" (avg over attacks)" if r["metric"] == mean_metric else ""))
                     for r in refs if r["metric"] in (col, mean_metric)], [])
-        ax.set_title(f"{ATTACK_LABEL[attack]}, size {size:g}", fontsize=9)
-        ax.set_xlabel("epsilon (configured)")
-        ax.set_ylim(0, 1.02)
+        ax.set_title(f"{attack_label(attack, dpal)}, {norms(trials)} size {size:g} ({DOMAIN})", fontsize=8)
+        epsilon_axis(ax, agg["_eps"], "epsilon (configured)")
         ax.grid(alpha=0.3)
-    return _save_accuracy_panels(fig, axes, path)
+    return _save_accuracy_panels(fig, axes, path, dpal)
 
 
 def _per_point(n) -> str:
@@ -386,7 +506,7 @@ def _per_point(n) -> str:
     return "" if hi == 1 else f" (n={lo} per point)" if lo == hi else f" (n={lo}-{hi} per point)"
 
 
-def plot_accuracy_vs_epsilon(trials, metric: str, path: Path, ylabel: str, refs=()) -> bool:
+def plot_accuracy_vs_epsilon(trials, metric: str, path: Path, ylabel: str, refs=(), best: dict | None = None) -> bool:
     """``metric`` (clean accuracy) against the configured epsilon, one line (colour and marker)
     per value of the other swept keys (mean ± sd over repeats); a log epsilon axis with plain
     decimal ticks when the epsilons span a factor of 4 or more. False with fewer than two epsilons
@@ -409,15 +529,15 @@ def plot_accuracy_vs_epsilon(trials, metric: str, path: Path, ylabel: str, refs=
         g = g.sort_values("_eps")
         ax.errorbar(g["_eps"].to_numpy(float), g[metric].to_numpy(float), yerr=_sd(g[f"{metric}.sd"]), capsize=3,
                     ms=5, label=series + _per_point(g["n"]), **style(i))
+        for r in g.to_dict("records"):
+            if is_best(r, best):
+                mark_best(ax, r["_eps"], r[metric], best)
     _stars(ax, [(_ref_x(df, r["_where"], "_eps"), r["published"], r["point"]) for r in refs if r["metric"] == metric],
            [])
-    eps = agg["_eps"].astype(float)
-    if eps.max() / eps.min() >= 4:
-        ax.set_xscale("log")
-    ax.set_xlabel("epsilon (configured)")
+    epsilon_axis(ax, agg["_eps"], "epsilon (configured)")
     ax.set_ylabel(ylabel + " (mean ± sd)")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3, which="both")
+    fit_ylim(ax)
+    ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     _save(fig, ax, path)
     return True
@@ -433,6 +553,7 @@ def plot_accuracy_vs_size_per_attack(trials, path: Path, refs=()) -> bool:
     if agg.empty:
         return False
     plt = _plt()
+    dpal = dpal_study(trials)
     attacks = [a for a in ATTACK_LABEL if a in cols]
     fig, axes = plt.subplots(1, len(attacks), figsize=(3.2 * len(attacks), 3.3), dpi=120, squeeze=False, sharey=True)
     for ax, attack in zip(axes[0], attacks):
@@ -446,11 +567,10 @@ def plot_accuracy_vs_size_per_attack(trials, path: Path, refs=()) -> bool:
                     and _matches_any(trials, r["_where"])], [])
         _stars(ax, [(float(r["metric"][len("acc_attack_mean_"):]), r["published"], r["point"] + " (avg over attacks)")
                     for r in refs if r["metric"].startswith("acc_attack_mean_") and _matches_any(trials, r["_where"])], [])
-        ax.set_title(ATTACK_LABEL[attack], fontsize=9)
-        ax.set_xlabel("attack size mu_a")
-        ax.set_ylim(0, 1.02)
+        ax.set_title(attack_label(attack, dpal), fontsize=9)
+        ax.set_xlabel(size_label(trials, "attack size mu_a" if dpal else "attack size"))
         ax.grid(alpha=0.3)
-    return _save_accuracy_panels(fig, axes, path)
+    return _save_accuracy_panels(fig, axes, path, dpal)
 
 
 def plot_certified_vs_size_by_mechanism(sweep: Sweep, path: Path, refs=()) -> bool:
@@ -490,13 +610,24 @@ def plot_certified_vs_size_by_mechanism(sweep: Sweep, path: Path, refs=()) -> bo
             ax.fill_between(grid, mean - sd, mean + sd, color=color, alpha=0.15, lw=0)
     _stars(ax, [(float(CERT.match(r["metric"]).group(2)), r["published"], r["point"]) for r in refs
                 if CERT.match(r["metric"]) and _matches_any(sweep.trials, r["_where"])], [])
-    ax.set_xlabel("attack size mu_a ([-1, 1] domain)")
-    ax.set_ylabel("certified accuracy (mean ± sd over repeats)")
-    ax.set_ylim(0, 1.02)
+    kinds = {k for (_, _, k) in groups}
+    what = "attack size mu_a" if dpal_study(sweep.trials) else "certified size"
+    ax.set_xlabel(size_label(sweep.trials, what, ("param.norm", "param.attack_norm"))
+                  + ("; dashed: randomized smoothing, l2" if "smoothing" in kinds else ""))
+    ax.set_ylabel("certified accuracy (mean ± sd)")
+    fit_ylim(ax)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     _save(fig, ax, path)
     return True
+
+
+def _best_groups(sweep: Sweep, best: dict | None) -> set:
+    """The group ids (``data.with_groups``) of the best configuration's trials."""
+    if not best or sweep.trials.empty:
+        return set()
+    agg = aggregate(with_groups(sweep.trials), [])
+    return {int(r["group"]) for r in agg.to_dict("records") if is_best(r, best)}
 
 
 def certified_table(sweep: Sweep, sizes) -> list[dict]:
@@ -516,5 +647,5 @@ def certified_table(sweep: Sweep, sizes) -> list[dict]:
     return out
 
 
-__all__ = ["TABLES", "certified_table", "plot_accuracy_vs_epsilon", "plot_accuracy_vs_epsilon_per_attack", "plot_accuracy_vs_size_per_attack",
+__all__ = ["TABLES", "attack_label", "best_configuration", "certified_table", "dpal_study", "epsilon_axis", "fit_ylim", "plot_accuracy_vs_epsilon", "plot_accuracy_vs_epsilon_per_attack", "plot_accuracy_vs_size_per_attack",
            "plot_certified_curves", "plot_certified_vs_size_by_mechanism", "plot_pareto", "plot_robustness"]
