@@ -459,9 +459,56 @@ def docs_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
-def write_docs(path: Path | None = None, doc: Path = DOC) -> None:
+FIGURE = DOC.parent / "figures" / f"{NAME}.png"
+ROW_FAMILY = {"eps_3": "DP-SGD eps 3", "eps_1": "DP-SGD eps 1", "non_private": "same code, non-private"}
+
+
+def draw_figure(summary: dict, path: Path = FIGURE) -> bool:
+    """The docs' figure from the results file: certified accuracy against the [0, 1] radius, a curve
+    per (method, sigma) of each epsilon row (the test-split units at the row's largest N, mean over
+    seeds, at the ``CURVE_RADII_01`` the units record), the envelope per row and the anchors; drawn
+    by the report's own function (``sweeps.report.certified.draw_radius_figure``)."""
+    from sweeps.report.certified import RadiusCurve, draw_radius_figure
+
+    units = [u for u in (summary.get("units") or {}).values() if u.get("split") == "test" and u.get("cert_acc_01")]
+    curves, notes = [], []
+    for row, family in ROW_FAMILY.items():
+        mine = [u for u in units if u["epsilon_row"] == row]
+        if not mine:
+            continue
+        n = max(u["n"] for u in mine)
+        groups: dict[tuple, list[dict]] = {}
+        for u in (u for u in mine if u["n"] == n):
+            groups.setdefault((u["method"], u["sigma_01"]), []).append(u)
+        for (method, sigma), us in sorted(groups.items()):
+            keys = sorted(us[0]["cert_acc_01"], key=float)
+            acc = np.array([[u["cert_acc_01"][k] / 100.0 for k in keys] for u in us])
+            curves.append(RadiusCurve(f"{method}, sigma_01 {sigma:g}", family,
+                                      "non-private" if row == "non_private" else "DP: training examples",
+                                      np.array([float(k) for k in keys]), acc.mean(axis=0),
+                                      acc.std(axis=0, ddof=1) if len(us) > 1 else None, len(us),
+                                      config={"method": method, "sigma_01": sigma}))
+        notes.append(f"{family}: N {n:,}, {groups[next(iter(groups))][0]['images']} images")
+    anchors = [(label, [(r, ANCHORS[name][key01(r)] / 100.0) for r in HEADLINE_RADII_01])
+               for name, label in (("cohen_gaussian_non_private", "Cohen et al., non-private"),
+                                   ("best_non_private", "best non-private"),
+                                   ("dp_cert_eps_3", "DP-CERT, eps ~3 (delta 1e-6)"))]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return draw_radius_figure(curves, path, anchors=anchors, note="CERTIFY n0 100, alpha 0.001; " + "; ".join(notes),
+                              title="MNIST, randomized smoothing (benchmarks/dp_certified_mnist.py)")
+
+
+def write_docs(path: Path | None = None, doc: Path = DOC, figure: Path | None = None) -> None:
     summary = read_result(path or RESULTS / f"{NAME}.json")
-    update_doc_blocks({doc: {NAME: docs_table(summary)}})
+    figure = figure or doc.parent / "figures" / f"{NAME}.png"
+    block = docs_table(summary)
+    if draw_figure(summary, figure):
+        rel = os.path.relpath(figure, doc.parent)
+        block += (f"\n\n![certified accuracy against l2 radius]({rel})\n\nA thin curve per (method, sigma), a thick "
+                  "one per epsilon: the envelope over them (per radius the best on the certified images: a tuning "
+                  "choice); black: the anchors. Vector: "
+                  f"[{Path(rel).with_suffix('.pdf').name}]({Path(rel).with_suffix('.pdf')}).")
+    update_doc_blocks({doc: {NAME: block}})
     log(f"wrote {doc}")
 
 
