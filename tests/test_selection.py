@@ -154,3 +154,91 @@ def test_trial_with_validation_split_trains_on_fewer_images(monkeypatch):
     out = _run(monkeypatch, {**DPSGD, "selection_split": "validation", "selection_size": 50})[-1]
     assert out["sampling_rate"] == pytest.approx(50 / 150)    # batch 50 of the 150 images left for training
     assert "heldout_acc_clean" in out and out["heldout_acc_clean"] * 60 == pytest.approx(round(out["heldout_acc_clean"] * 60))
+
+
+# --------------------------------------------------------------------------- the best configuration (point 1)
+
+def _rows(configs: dict[float, list[float]], seeds=None) -> list[dict]:
+    """Console rows: one configuration per max_grad_norm, one trial per value (seed = its index)."""
+    rows = []
+    for c, values in configs.items():
+        for i, v in enumerate(values):
+            seed = (seeds or {}).get(c, list(range(len(values))))[i]
+            rows.append({"trial_id": f"c{c}-{i}", "trainable": "dpsgd", "status": "DONE", "cfg.max_grad_norm": c,
+                         "cfg.seed": seed, "acc_clean": v})
+    return rows
+
+
+def _select(rows, mode="max", statistic="mean"):
+    from sweeps.report.best import config_key_from_cfg, select_configuration
+
+    return select_configuration(rows, "acc_clean", mode, statistic, config_of=config_key_from_cfg,
+                                seed_of=lambda r: r["cfg.seed"], done=lambda r: r["status"] == "DONE")
+
+
+def test_the_best_is_the_configuration_with_the_best_mean_not_the_luckiest_seed():
+    """The issue's case: one seed of configuration A scores 0.9555, the best single trial, but A's
+    mean is 0.9488; B's mean is higher. The best is B, with mean, sd and n."""
+    rows = _rows({1.0: [0.9555, 0.9421], 0.5: [0.9530, 0.9520]})
+    sel = _select(rows)
+    assert sel.best.key[1][1] == "0.5" and sel.best.n == 2
+    assert sel.best.mean == pytest.approx(0.9525) and sel.best.sd == pytest.approx(np.std([0.9530, 0.9520], ddof=1))
+    assert sel.runner_up.mean == pytest.approx(0.9488)
+    assert max(rows, key=lambda r: r["acc_clean"])["cfg.max_grad_norm"] == 1.0  # the lucky seed is A's
+    # the statistic: worst seed agrees here; min mode picks the lowest mean
+    assert _select(rows, statistic="worst").best.key == sel.best.key
+    assert _select(rows, mode="min").best.key == sel.runner_up.key
+    assert _select(_rows({1.0: [0.9, 0.1, 0.95], 0.5: [0.6, 0.6, 0.6]}), statistic="median").best.key[1][1] == "1.0"
+
+
+def test_significance_paired_on_matching_seeds_else_welch():
+    rng = np.random.default_rng(1)
+    seed_effect = rng.normal(0, 0.02, 5)  # shared by both configurations on a seed: pairing removes it
+    a = list(0.95 + seed_effect + rng.normal(0, 0.001, 5))
+    b = list(0.94 + seed_effect + rng.normal(0, 0.001, 5))
+    sel = _select(_rows({1.0: a, 0.5: b}))
+    assert sel.test == "paired t-test" and sel.pairs == 5 and sel.significant, sel.statement()
+    assert "significantly above the runner-up (paired t-test on 5 matching seeds" in sel.statement()
+    # the same values on unmatched seeds: Welch's test cannot remove the seed effect, and finds nothing
+    sel = _select(_rows({1.0: a, 0.5: b}, seeds={0.5: [10, 11, 12, 13, 14]}))
+    assert sel.test == "Welch's t-test" and not sel.significant
+    assert "not significantly different over the seeds (Welch's t-test, 5 and 5 seeds" in sel.statement()
+
+
+def test_significance_is_calibrated_under_no_difference():
+    """Negative control, statistically: two configurations with the same true mean; over 400
+    simulated sweeps of 5 seeds the paired test calls about 5 % significant (binomial band)."""
+    rng = np.random.default_rng(7)
+    hits = 0
+    for _ in range(400):
+        seed_effect = rng.normal(0, 0.02, 5)
+        a = list(0.95 + seed_effect + rng.normal(0, 0.005, 5))
+        b = list(0.95 + seed_effect + rng.normal(0, 0.005, 5))
+        hits += bool(_select(_rows({1.0: a, 0.5: b})).significant)
+    assert 8 <= hits <= 36, hits        # 400 x 0.05 = 20; the 99.9 % binomial band is about 7..37
+    rng = np.random.default_rng(8)   # positive control: a real difference of 3 sd of the noise
+    power = sum(bool(_select(_rows({1.0: list(0.95 + rng.normal(0, 0.005, 5)),
+                                   0.5: list(0.935 + rng.normal(0, 0.005, 5))})).significant) for _ in range(100))
+    assert power >= 70, power
+
+
+def test_one_trial_per_configuration_is_not_tested():
+    sel = _select(_rows({1.0: [0.9], 0.5: [0.8]}))
+    assert sel.best.n == 1 and sel.test == "" and "not tested" in sel.statement()
+    assert "search.num_samples" in sel.statement()
+
+
+def test_console_best_lines_show_the_configuration_its_spread_and_held_out_score():
+    from sweeps.report.best import Best, describe_best
+
+    rows = _rows({1.0: [0.9555, 0.9421], 0.5: [0.9530, 0.9520]})
+    for r in rows:
+        r["heldout_acc_clean"] = r["acc_clean"] - 0.004
+    sel = _select(rows)
+    best = Best("acc_clean", "max", sel.best.rows[0], "RUN", "", 4, False, True, sel, "test_half")
+    text = describe_best(best, ["cfg.max_grad_norm", "cfg.seed"], 4)
+    assert text.startswith("best:     configuration (max_grad_norm=0.5): acc_clean = 0.9525 ± 0.00071 (mean ± sd "
+                           "over n = 2 seeds)"), text
+    assert "runner-up acc_clean = 0.9488 ± 0.0095" in text and "paired t-test on 2 matching seeds" in text
+    assert "held-out acc_clean = 0.9485 ± 0.00071 (n = 2) on the test images selection did not read" in text
+    assert "seed=" not in text.splitlines()[0]
