@@ -383,6 +383,10 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
     if len(sweep.sweeps) == 1:
         lines += [f"Parent run `{sweep.parent.info.run_id}` ({sweep.parent.info.run_name}), {len(trials)} trials, "
                   f"tracking URI `{tracking_uri}`.", ""]
+    if len(sweep.sweeps) == 1:   # the swept keys against search.metric (issue 34, point 7; sweeps/report/parallel.py)
+        from sweeps.report.parallel import parallel_figure
+
+        figures.extend(f for f in [parallel_figure(sweep, out)] if f)
     else:
         lines += [f"{len(sweep.sweeps)} sweeps compared (column `sweep`, a series per sweep in every figure), "
                   f"{len(trials)} trials, tracking URI `{tracking_uri}`:", ""]
@@ -407,6 +411,10 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
                   *_md_table(agg_rows, agg_cols),
                   "", "Every trial's parameters and metrics: `trials.csv`; per configuration with mean, sd and n: "
                   "`trials_aggregated.csv`.", ""]
+    if len(sweep.sweeps) == 1:   # which swept key drove the search metric (issue 34, point 3)
+        from sweeps.report.importance import importance_section
+
+        lines += importance_section(sweep)
         if any(str(c).startswith("ref_") for c in agg_cols):
             lines += [f"Columns `ref_*` (DPAL `evaluation: reference`): {REF_PROTOCOL_LABEL} (docs/dpal.md).", ""]
     cert_rows = rp.certified_table(sweep, sizes)
@@ -473,7 +481,7 @@ def _best_section(sweep: Sweep, tracking_uri: str) -> list[str]:
     if not url.startswith("http") and "run_id" in trials and len(trials):
         url = compare_url(ui_base(tracking_uri), sweep.parent.info.experiment_id, list(trials["run_id"]))
     if url:
-        lines += ["", f"MLflow compare view of the {len(trials)} trials (parallel coordinates of the swept keys "
+        lines += ["", f"MLflow compare view of {all_of(len(trials), 'trial')} (parallel coordinates of the swept keys "
                   f"against a metric; run `mlflow ui` first for a local store): <{url}>"]
     return lines + [""]
 
