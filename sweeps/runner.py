@@ -51,6 +51,8 @@ class ProgressPrinter(tune.Callback):
         self._say(f"started  {trial.trial_id} ({_describe(trial.config)})")
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
+        if result.get("checkpoint_fallback"):   # a torn checkpoint was skipped (trainables.runtime)
+            self._say(f"restored {trial.trial_id} past a corrupt checkpoint: {result['checkpoint_fallback']}")
         if "test_acc" in result and "evaluated" not in result:
             # train_loss is a non-private diagnostic (absent with diagnostics: false; docs/metrics.md)
             loss = f"train_loss {result['train_loss']:.4f} (diagnostic), " if "train_loss" in result else ""
@@ -281,7 +283,8 @@ def build_tuner(spec, *, storage: str, run_name: str, mlflow_info: dict, param_s
         name=run_name,
         storage_path=storage,
         failure_config=tune.FailureConfig(max_failures=spec.failure.max_retries),
-        checkpoint_config=tune.CheckpointConfig(num_to_keep=1),  # each checkpoint holds the full state
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=2),  # the full state; the one before the latest
+        # is the fallback when the latest is torn (trainables.runtime.restore_checkpoint)
         callbacks=callbacks(spec, total),
         verbose=0,
     )

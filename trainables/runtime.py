@@ -20,6 +20,8 @@ A mechanism is a small class (see ``Mechanism``) around a dpmech trainer.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
 import tempfile
@@ -119,13 +121,60 @@ def device_name(device: torch.device) -> str:
 
 def _save_checkpoint(directory: Path, mech: Mechanism, meta: dict) -> None:
     torch.save(mech.state_dict(), directory / "state.pt")
-    (directory / "meta.json").write_text(json.dumps(meta))
+    digest = hashlib.sha256((directory / "state.pt").read_bytes()).hexdigest()
+    (directory / "meta.json").write_text(json.dumps({**meta, "state_sha256": digest}))
 
 
 def _load_checkpoint(directory: Path, device: torch.device) -> tuple[dict, dict]:
-    state = torch.load(directory / "state.pt", map_location=device, weights_only=True)
-    meta = json.loads((directory / "meta.json").read_text())
+    """A checkpoint's (state, meta); a ValueError naming the file when it is torn or corrupt (a
+    missing or unreadable file, a SHA-256 that differs from the one saved beside it)."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        data = (directory / "state.pt").read_bytes()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{directory.name}: {type(exc).__name__}: {exc}") from None
+    want = meta.pop("state_sha256", None)
+    if want is not None and hashlib.sha256(data).hexdigest() != want:
+        raise ValueError(f"state.pt holds {len(data)} bytes that do not match the SHA-256 saved with it")
+    try:
+        state = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds on a truncated file
+        raise ValueError(f"state.pt unreadable ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
     return state, meta
+
+
+def restore_checkpoint(ckpt, device: torch.device) -> tuple[dict | None, dict | None, str | None]:
+    """The newest readable checkpoint of a trial (issue 33, point 4): Tune's latest (``ckpt``), else
+    the one before it (the trial keeps two while it runs: ``CheckpointConfig(num_to_keep=2)``).
+    Returns ``(state, meta, note)``; ``note`` says what was unreadable and what was used instead;
+    ``(None, None, note)`` when no checkpoint is readable: the trial starts afresh (in the same
+    child run, found by its trial key), never retrying the same corrupt file until its retries
+    run out."""
+    from pyarrow import fs as pafs
+    from ray import tune
+
+    candidates = [ckpt]
+    try:
+        parent = ckpt.path.rstrip("/").rsplit("/", 1)[0]
+        listing = ckpt.filesystem.get_file_info(pafs.FileSelector(parent, allow_not_found=True))
+        older = sorted((e.path for e in listing if e.type == pafs.FileType.Directory
+                        and e.base_name.startswith("checkpoint_") and e.path.rstrip("/") < ckpt.path.rstrip("/")),
+                       reverse=True)
+        candidates += [tune.Checkpoint(path=p, filesystem=ckpt.filesystem) for p in older]
+    except Exception:  # noqa: BLE001 - listing is best effort: the latest alone still works
+        pass
+    problems = []
+    for c in candidates:
+        try:
+            with c.as_directory() as d:
+                state, meta = _load_checkpoint(Path(d), device)
+        except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint: try the next
+            problems.append(f"{c.path.rstrip('/').rsplit('/', 1)[-1]}: {exc}")
+            continue
+        note = None if not problems else (f"{'; '.join(problems)}: resumed from "
+                                         f"{c.path.rstrip('/').rsplit('/', 1)[-1]} (epoch {len(meta.get('history', []))})")
+        return state, meta, note
+    return None, None, f"{'; '.join(problems)}: no readable checkpoint, the trial starts afresh"
 
 
 def finished_run_metrics(info: dict, trial_id: str, key: str | None = None) -> dict[str, float] | None:
@@ -186,10 +235,12 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
 
     meta: dict[str, Any] = {"mlflow_run_id": None, "history": [], "compute_seconds": 0.0}
     ckpt = tune.get_checkpoint()
+    fallback = None
     if ckpt is not None:
-        with ckpt.as_directory() as d:
-            state, meta = _load_checkpoint(Path(d), device)
-        mech.load_state_dict(state)
+        state, restored, fallback = restore_checkpoint(ckpt, device)
+        if state is not None:
+            mech.load_state_dict(state)
+            meta = restored
 
     ctx = tune.get_context()
     tracker = None
@@ -215,6 +266,8 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
                            tags={**{f"dpsweep.{k}": d for k, d in digests.items()},
                                  TAG_DEVICE: device_name(device), TAG_NOISE: noise_tag(cfg),
                                  TAG_DIAGNOSTICS: ", ".join(logged) if cfg.diagnostics else "none"})
+        if fallback:
+            tracker.set_tag(TAG_CHECKPOINT_FALLBACK, fallback[:5000])
     finished = False
     try:
         diverged = meta.get("diverged")
@@ -232,7 +285,9 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
                 tracker.log_metrics({k: metrics[k] for k in ("train_loss", "test_acc") if k in metrics}, step=epoch)
             with tempfile.TemporaryDirectory() as tmp:
                 _save_checkpoint(Path(tmp), mech, meta)
-                tune.report({**metrics, "epoch": epoch}, checkpoint=tune.Checkpoint.from_directory(tmp))
+                note = {"checkpoint_fallback": fallback} if fallback else {}
+                fallback = None   # said once, in the first result after the restore
+                tune.report({**metrics, "epoch": epoch, **note}, checkpoint=tune.Checkpoint.from_directory(tmp))
 
         t0 = time.perf_counter()
         last_loss = meta["history"][-1].get("train_loss") if meta["history"] else None
@@ -292,6 +347,7 @@ def held_out_metrics(mech, cfg: CommonConfig, xh: torch.Tensor, yh: torch.Tensor
 
 
 TAG_ERROR = "dpsweep.error"
+TAG_CHECKPOINT_FALLBACK = "dpsweep.checkpoint_fallback"
 TAG_DIVERGED = "dpsweep.diverged"
 
 
@@ -358,8 +414,6 @@ def trial_key(cfg: CommonConfig, trainable: str, config: dict) -> str:
     ``dpsweep.trial_key``: a trial whose run is FINISHED reports that run and trains nothing, and
     one whose run ended FAILED or KILLED logs into it again. Two trials of one sweep with the same
     config and repeat are therefore one trial (a grid never has them; docs/faults.md)."""
-    import hashlib
-
     return hashlib.sha256(_identity_json(cfg, trainable, config).encode()).hexdigest()[:32]
 
 
