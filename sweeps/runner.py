@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ray import tune
+from ray.exceptions import RayActorError
 
 from trainables.dispatch import dispatch
 
@@ -71,9 +72,58 @@ class ProgressPrinter(tune.Callback):
         total = f"/{self.total}" if self.total else ""
         self._say(f"finished {trial.trial_id} [{self.done}{total}] {shown}")
 
+    def on_trial_recover(self, iteration, trials, trial, **info):
+        if _killed_for_memory(trial):
+            self._say(f"killed   {trial.trial_id} ({_describe(trial.config)}) by Ray's memory monitor: {MEMORY_HINT}; "
+                      "retried from its last checkpoint")
+
     def on_trial_error(self, iteration, trials, trial, **info):
         self.failed += 1
-        self._say(f"FAILED   {trial.trial_id} ({_describe(trial.config)}); see {trial.local_path}")
+        why = f" killed by Ray's memory monitor: {MEMORY_HINT};" if _killed_for_memory(trial) else ""
+        self._say(f"FAILED   {trial.trial_id} ({_describe(trial.config)});{why} see {trial.local_path}")
+
+
+MEMORY_HINT = "the node ran low on memory (lower max_concurrent_trials or the batch size)"
+
+
+class KilledForMemory(RayActorError):
+    """A trial's worker killed by Ray's memory monitor, as the actor failure it is (issue 33, point 3)."""
+
+
+def _killed_for_memory(trial) -> bool:
+    """Whether the trial's last error was a memory kill (Tune writes it to the trial's error file)."""
+    try:
+        path = trial.error_file
+        return bool(path) and KilledForMemory.__name__ in Path(path).read_text(errors="replace")
+    except Exception:  # noqa: BLE001 - only a console line depends on it
+        return False
+
+
+def tolerate_memory_kills() -> None:
+    """Make a worker killed by Ray's memory monitor fail its trial, not the sweep (issue 33, point 3).
+
+    Ray Tune's actor manager handles a trial task's ``RayActorError`` (the trial failed: retried
+    under ``failure.max_retries`` from its checkpoint) and ``RayTaskError``, and raises anything
+    else, which ends ``Tuner.fit``: "Caught unexpected exception: 1 worker(s) were killed due to the
+    node running low on memory", every other trial stopped. The memory monitor's ``OutOfMemoryError``
+    is such an exception. This wraps the handler once (driver side, idempotent) so that error becomes
+    a ``KilledForMemory`` (a ``RayActorError``) with Ray's message: the trial fails like any other."""
+    from ray.air.execution._internal import actor_manager
+    from ray.exceptions import OutOfMemoryError
+
+    cls = actor_manager.RayActorManager
+    if getattr(cls._actor_task_failed, "_dpsweep_memory", False):
+        return
+    handler = cls._actor_task_failed
+
+    def failed(self, tracked_actor_task, exception):
+        if isinstance(exception, OutOfMemoryError):
+            exception = KilledForMemory(error_msg=f"KilledForMemory: {exception}")
+        return handler(self, tracked_actor_task, exception)
+
+    failed._dpsweep_memory = True
+    failed.__wrapped__ = handler
+    cls._actor_task_failed = failed
 
 
 class CheckpointCleaner(tune.Callback):
@@ -484,6 +534,7 @@ def ray_init(spec=None) -> str:
     from sweeps.user_modules import runtime_env
 
     quiet_ray()
+    tolerate_memory_kills()
     if ray.is_initialized():
         return "Ray: this process's own instance (already initialised)"
     address = (os.environ.get("RAY_ADDRESS") or "").strip()
