@@ -246,14 +246,65 @@ def _tuning_epsilon_at(spec: "SweepSpec", configs: list[dict], trial_epsilon: fl
 _CALIBRATED: dict[str, float] = {}   # one calibration per spec and process (validation runs it again on resume)
 
 
+def calibration_cache_dir():
+    """Where calibrations are kept between processes (``--dry-run`` then ``run``, ``resume``):
+    ``$DPSWEEP_CACHE/calibration``, default ``~/.cache/dpsweep/calibration``. A file holds only the
+    per-trial epsilon computed from the spec's public tuning section and search space (nothing of
+    the data or the sweep's secret)."""
+    import os
+    from pathlib import Path
+
+    root = os.environ.get("DPSWEEP_CACHE") or Path.home() / ".cache" / "dpsweep"
+    return Path(root) / "calibration"
+
+
+def _say(msg: str) -> None:
+    """Calibration progress on stderr (it takes a minute or two for a large search space)."""
+    import sys
+
+    print(f"dpsweep: {msg}", file=sys.stderr, flush=True)
+
+
+def _cached(key: str):
+    """(path, cached per-trial epsilon or None) of a calibration key."""
+    import hashlib
+
+    path = calibration_cache_dir() / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    try:
+        data = json.loads(path.read_text())
+        return path, (float(data["trial_epsilon"]) if data.get("key") == key else None)
+    except (OSError, ValueError, KeyError, TypeError):
+        return path, None
+
+
+def _store(path, key: str, e: float) -> None:
+    import os
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "trial_epsilon": e}))
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: the next run calibrates again, nothing else changes
+        pass
+
+
 def _solve_trial_epsilon(spec: "SweepSpec", configs: list[dict], delta: float, rtol: float) -> float:
     """Brent's method on log e for end-to-end(e) = target, then small steps down until the
-    end-to-end epsilon is <= the target: the returned e is within ``rtol`` of the root."""
+    end-to-end epsilon is <= the target: the returned e is within ``rtol`` of the root. Each
+    evaluation of the end-to-end epsilon is reported on stderr (``_say``)."""
     from scipy.optimize import brentq
 
     target = spec.tuning_privacy.target_epsilon
     hi = target                          # releasing the best of K >= 1 trials costs at least one trial
-    gap = lambda log_e: _tuning_epsilon_at(spec, configs, math.exp(log_e), delta) - target  # noqa: E731
+    steps = [0]
+
+    def gap(log_e: float) -> float:
+        end = _tuning_epsilon_at(spec, configs, math.exp(log_e), delta)
+        steps[0] += 1
+        _say(f"calibrating: step {steps[0]}: per-trial epsilon {math.exp(log_e):.5g} -> end-to-end {end:.5g} "
+             f"(target {target:g})")
+        return end - target
     lo = target / 8                      # usual: tuning costs less than 8x (a narrower bracket, fewer steps)
     if gap(math.log(lo)) > 0:
         lo = 1e-4 * target
@@ -290,7 +341,18 @@ def calibrate_to_target(spec: "SweepSpec", rtol: float = 1e-3) -> float:
     delta = tuning_delta(spec, configs)
     key = json.dumps([t.name, configs, tp.model_dump(), delta, rtol], sort_keys=True, default=str)
     if key not in _CALIBRATED:
-        _CALIBRATED[key] = _solve_trial_epsilon(spec, configs, delta, rtol)
+        path, e = _cached(key)
+        # a cached value is checked once (one evaluation): it must still land at or below the target
+        if e is not None and _tuning_epsilon_at(spec, configs, e, delta) <= tp.target_epsilon:
+            _say(f"tuning_privacy: per-trial epsilon {e:.6g} for end-to-end {tp.target_epsilon:g} reused from "
+                 f"{path} (checked)")
+        else:
+            _say(f"tuning_privacy: calibrating the per-trial epsilon so that releasing the best of K ~ "
+                 f"{tp.distribution}(mean {tp.mean:g}) costs {tp.target_epsilon:g} end to end, over "
+                 f"{len(configs)} privacy configuration(s); about 10 to 20 steps (kept in {path} for the next run)")
+            e = _solve_trial_epsilon(spec, configs, delta, rtol)
+            _store(path, key, e)
+        _CALIBRATED[key] = e
     e = _CALIBRATED[key]
     t.search["epsilon"] = e
     return e
