@@ -76,7 +76,9 @@ def cmd_validate(args) -> int:
         _err(str(exc))
         return EXIT_INVALID
     _warn_spec(spec)
-    count = "K candidate trials, drawn at run time" if spec.tuning_privacy is not None else f"{n} trials"
+    from sweeps.words import counted
+
+    count = "K candidate trials, drawn at run time" if spec.tuning_privacy is not None else counted(n, "trial")
     print(f"{args.spec}: valid ({count}, trainables: {', '.join(t.name for t in spec.trainables)})")
     return EXIT_OK
 
@@ -181,6 +183,43 @@ def _under_interrupts(body, args, before: str) -> int:
             return interrupts.exit_code
 
 
+def _cell(value) -> str:
+    """One value of the --dry-run table: mappings and lists as compact JSON, at most 40 characters."""
+    if isinstance(value, (dict, list)):
+        text = json.dumps(value, separators=(",", ":"), default=str)
+        return text if len(text) <= 40 else text[:39] + "…"
+    return value
+
+
+def dry_run_listing(trials: list[dict], *, show_all: bool = False) -> str:
+    """``--dry-run``'s table: ``trainable``, then the keys whose value differs between the trials (the
+    swept keys, seeds of repeats included), then the keys a spec sets away from their trainable's
+    default; the keys every trial leaves at its default are counted, not shown, unless ``show_all``
+    (``--all``). A line above the table names the three groups."""
+    from sweeps.runner import format_table
+    from trainables.registry import REGISTRY
+
+    def same(k):
+        return len({json.dumps(t.get(k), sort_keys=True, default=str) for t in trials}) == 1
+
+    def default(name, k):
+        entry = REGISTRY.get(name)
+        field = entry.config_model.model_fields.get(k) if entry is not None else None
+        return field.get_default(call_default_factory=True) if field is not None else None
+
+    keys = [k for k in dict.fromkeys(k for t in trials for k in t) if k != "trainable"]
+    swept = [k for k in keys if not same(k)]
+    changed = [k for k in keys if k not in swept and any(k in t and t[k] != default(t.get("trainable"), k)
+                                                         for t in trials)]
+    hidden = [k for k in keys if k not in swept and k not in changed]
+    cols = ["trainable", *swept, *changed, *(hidden if show_all else [])]
+    rows = [{c: _cell(t.get(c, "")) for c in cols} for t in trials]
+    parts = [f"swept: {', '.join(swept) or 'nothing'}", f"set: {', '.join(changed) or 'nothing'}"]
+    if hidden:
+        parts.append(f"{len(hidden)} keys at their defaults " + ("(shown last)" if show_all else "not shown (--all shows them)"))
+    return "; ".join(parts) + "\n" + format_table(rows)
+
+
 def _run(args, interrupts, sweep: dict) -> int:
     from sweeps.spec import SpecError, expand_trials, load_spec, ray_param_space, spec_to_flat_params
 
@@ -220,21 +259,21 @@ def _run(args, interrupts, sweep: dict) -> int:
               f"is never logged: the guarantee assumes it unobserved); only the best by {spec.search.metric} is "
               f"released; end-to-end epsilon {tuning['tuning_epsilon']:.4g} at delta {tuning['tuning_delta']:.3g} "
               f"(one trial: at most {tuning['trial_epsilon_worst']:.4g})", flush=True)
-    count = "K candidate" if spec.tuning_privacy is not None else str(total)
-    print(f"sweep {spec.name}: {count} trials of {', '.join(t.name for t in spec.trainables)}; "
+    from sweeps.words import counted
+
+    count = "K candidate trials" if spec.tuning_privacy is not None else counted(total, "trial")
+    print(f"sweep {spec.name}: {count} of {', '.join(t.name for t in spec.trainables)}; "
           f"storage {storage}; MLflow {tracking_uri} (experiment {spec.mlflow.experiment})", flush=True)
     if spec.reproducible_noise:
         from dpmech.privacy.secret import REPRODUCIBLE_LABEL
 
         print(f"noise_source: seed (research mode): {REPRODUCIBLE_LABEL}", flush=True)
     if args.dry_run:
-        from sweeps.runner import format_table
-
         if spec.tuning_privacy is not None:
             print("(K and the candidates are drawn from the sweep's secret when it starts; none is shown)")
             return EXIT_OK
-        shown = [{k: v for k, v in t.items() if not isinstance(v, (dict, list))} for t in trials]
-        print(format_table(shown) if shown else "(trials are proposed by Optuna while the sweep runs)")
+        print(dry_run_listing(trials, show_all=args.all) if trials
+              else "(trials are proposed by Optuna while the sweep runs)")
         return EXIT_OK
     if not _tracking_ok(tracking_uri):  # a few seconds at most, before Ray starts or any MLflow run
         return EXIT_INVALID
@@ -474,6 +513,7 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
         print(f"released: trial {released.get('trial_id', '?')} with {spec.search.metric} = "
               f"{released[spec.search.metric]:.4g} (the only output covered by the end-to-end guarantee)")
     from sweeps.report.best import describe_best, record_best
+    from sweeps.words import all_of
 
     try:  # the best trial and the compare view, tagged on the parent run (docs/metrics.md)
         best = record_best(info, spec, rows)
@@ -494,7 +534,7 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     print(f"report:   {_tool('dpsweep')} report {experiment} --tracking-uri {tracking_uri} --out report/")
     print(f"MLflow:   {mlflow_ui_hint(tracking_uri, info['experiment_id'])}")
     if best is not None and best.compare_url:
-        print(f"compare:  {best.compare_url} (all {best.n_runs} trials: parallel coordinates of the swept keys "
+        print(f"compare:  {best.compare_url} ({all_of(best.n_runs, 'trial')}: parallel coordinates of the swept keys "
               "against a metric)")
     print(f"resume:   {_tool('dpsweep')} resume {exp_dir}")
     return EXIT_FAILED if failed else EXIT_OK
@@ -616,7 +656,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     run.add_argument("--storage", default=None, help="Ray storage path (local dir, NFS mount or s3://)")
     run.add_argument("--name", default=None, help="experiment name (default: the spec's)")
-    run.add_argument("--dry-run", action="store_true", help="validate and list the trials, run nothing")
+    run.add_argument("--dry-run", action="store_true", help="validate and list the trials, run nothing: the swept keys "
+                     "first, then the keys set away from their defaults")
+    run.add_argument("--all", action="store_true", help="with --dry-run: every key, the defaults too")
     run.set_defaults(fn=cmd_run)
 
     res = sub.add_parser("resume", help="finish an interrupted sweep")

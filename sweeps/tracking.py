@@ -247,8 +247,17 @@ def finish_parent_run(info: dict, summary: dict[str, float], status: str) -> Non
     retry(lambda: client.set_terminated(info["parent_run_id"], status=status), what="set_terminated")
 
 
-SELECTION_NOT_COVERED = ("not covered: choosing among the trials (the best of {n}) is not covered by any privacy "
+SELECTION_NOT_COVERED = ("not covered: choosing among the trials ({best}) is not covered by any privacy "
                          "guarantee; each trial's epsilon holds for that trial alone (use tuning_privacy)")
+
+
+def selection_not_covered(n: int) -> str:
+    """The parent run's ``dpsweep.selection_privacy`` tag of a sweep without tuning_privacy."""
+    from sweeps.words import best_of
+
+    if n == 1:
+        return "nothing chosen: the sweep ran one trial, whose own epsilon covers it"
+    return SELECTION_NOT_COVERED.format(best=best_of(n, "trial"))
 
 
 def record_selection(info: dict, spec, rows: list[dict], tuning: dict[str, float] | None) -> dict | None:
@@ -269,7 +278,7 @@ def record_selection(info: dict, spec, rows: list[dict], tuning: dict[str, float
     run_id = info["parent_run_id"]
     ts = int(time.time() * 1000)
     if tuning is None:
-        tag = RunTag("dpsweep.selection_privacy", SELECTION_NOT_COVERED.format(n=len(rows)))
+        tag = RunTag("dpsweep.selection_privacy", selection_not_covered(len(rows)))
         retry(lambda: client.log_batch(run_id, tags=[tag]), what="log_batch(selection tag)")
         return None
     tp = spec.tuning_privacy

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------ point 12: dpmech alone
@@ -110,3 +112,99 @@ def test_optuna_trial_directories_are_named_after_the_drawn_values_not_mlflow(tm
     assert "parent_run_id" not in name and "tracking_uri" not in name and "f00d" not in name
     assert "epsilon=" in name and "attack_bound" not in name      # the drawn value, not the constant
     assert len(name) <= 130 and "/" not in name
+
+
+# ------------------------------------------------------------------ point 10: what a study reads
+
+
+def test_counts_and_ranges_read_as_a_person_writes_them():
+    from sweeps.words import all_of, best_of, counted, span
+
+    assert [counted(n, "trial") for n in (0, 1, 2)] == ["0 trials", "1 trial", "2 trials"]
+    assert [all_of(n, "trial") for n in (1, 2, 12)] == ["the one trial", "both trials", "all 12 trials"]
+    assert [best_of(n, "trial") for n in (1, 3)] == ["the only trial", "the best of 3 trials"]
+    assert span(8.0, 8.0) == "8" and span(1.0, 8.0) == "1 to 8" and span(2.00001, 2.00002) == "2"
+
+
+def _dry_run(capsys, *extra) -> list[str]:
+    from sweeps.cli import main
+
+    assert main(["run", str(ROOT / "sweeps/quickstart.yaml"), "--dry-run",
+                 "--set", "trainables.0.search.epochs=3", *extra]) == 0
+    out = capsys.readouterr().out.splitlines()
+    i = next(j for j, ln in enumerate(out) if ln.startswith("trainable "))
+    return out[i - 1: i + 2]
+
+
+def test_dry_run_shows_the_swept_keys_first_and_hides_unchanged_defaults(capsys):
+    groups, header, _ = _dry_run(capsys)
+    cols = header.split()
+    assert cols[:3] == ["trainable", "epsilon", "attack_bound"]          # the swept keys, in spec order
+    assert "epochs" in cols and "train_size" in cols                      # set away from their defaults
+    for default in ("seed", "data_seed", "attack_norm", "certify_eta", "noise_source"):
+        assert default not in cols
+    assert groups.startswith("swept: epsilon, attack_bound; set: ") and "not shown (--all shows them)" in groups
+    groups, header, _ = _dry_run(capsys, "--all")
+    cols = header.split()
+    assert cols[:3] == ["trainable", "epsilon", "attack_bound"]
+    assert {"seed", "data_seed", "attack_norm", "certify_eta", "noise_source"} <= set(cols)
+    assert "(shown last)" in groups
+
+
+def test_dry_run_shows_a_swept_mapping_compactly(tmp_path, capsys):
+    from sweeps.cli import main
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: s\ncommon: {train_size: 500, test_size: 100}\n"
+                    "trainables:\n- name: dpsgd\n  search: {epsilon: 2.0, attacks: {grid: [{pgd: [0.1]}, {fgsm: [0.1, 0.2]}]}}\n")
+    assert main(["run", str(spec), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "swept: attacks; set: " in out and '{"fgsm":[0.1,0.2]}' in out
+    header = next(ln for ln in out.splitlines() if ln.startswith("trainable "))
+    assert header.split()[1] == "attacks"
+
+
+@pytest.fixture(scope="module")
+def one_trial_sweep(tmp_path_factory):
+    """An MLflow store with a finished one-trial DP-SGD sweep (epsilon 8), selected on acc_clean."""
+    from mlflow.entities import Metric, Param
+    from mlflow.tracking import MlflowClient
+
+    from sweeps.spec import spec_to_flat_params, validate_spec
+    from trainables.tracking import TAG_PARENT, TAG_TRAINABLE
+
+    raw = {"name": "one", "common": {"train_size": 500, "test_size": 50},
+           "trainables": [{"name": "dpsgd", "search": {"epsilon": 8.0}}],
+           "search": {"metric": "acc_clean", "mode": "max"}}
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("one")
+    parent = client.create_run(exp, tags={"dpsweep.kind": "sweep"}, run_name="sweep")
+    client.log_batch(parent.info.run_id,
+                     params=[Param(k, v) for k, v in spec_to_flat_params(validate_spec(raw)).items()])
+    run = client.create_run(exp, run_name="dpsgd-8", tags={TAG_PARENT: parent.info.run_id, TAG_TRAINABLE: "dpsgd"})
+    client.log_batch(run.info.run_id,
+                     params=[Param("epsilon", "8.0"), Param("seed", "0"), Param("diagnostics", "True"),
+                             Param("attack_labels", "true"), Param("trainable", "dpsgd")],
+                     metrics=[Metric("epsilon", 7.9999, 0, 0), Metric("acc_clean", 0.91, 0, 0)])
+    client.set_terminated(run.info.run_id, "FINISHED")
+    client.set_terminated(parent.info.run_id, "FINISHED")
+    return uri
+
+
+def test_a_one_trial_report_reads_as_written_and_its_csvs_spell_booleans_alike(one_trial_sweep, tmp_path):
+    import csv
+
+    from sweeps.report import make_report
+
+    out = tmp_path / "report"
+    text = make_report("one", one_trial_sweep, out).read_text()
+    assert "Per-trial epsilon: 8 (it holds for that trial only)." in text
+    assert "8 to 8" not in text
+    assert "1 trials" not in text and "best of 1 " not in text
+    assert "the only trial" in text
+    for name in ("trials.csv", "trials_aggregated.csv"):
+        rows = list(csv.DictReader((out / name).open()))
+        values = {v for r in rows for v in r.values()}
+        assert "true" in values, name
+        assert not values & {"True", "False"}, name

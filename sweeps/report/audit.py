@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 from sweeps.report.data import as_number as _num
+from sweeps.words import all_of, counted
 
 
 
@@ -115,10 +116,10 @@ def section_lines(trials, md_table) -> list[str]:
             "An empirical lower bound on each audited trial's epsilon from canaries (docs/audit.md): a bound above "
             "the claimed epsilon refutes the claim (\"consistent\": NO); a bound below it proves nothing. "
             "\"audited lower bound\" holds at its trial's own confidence 1 - `audit_beta` and is not corrected for "
-            f"the {k} trial(s) audited here: with k trials a few NO's can be chance (set `audit_beta` to 0.05 / k for "
+            f"the {counted(k, 'trial')} audited here: with k trials a few NO's can be chance (set `audit_beta` to 0.05 / k for "
             f"a sweep-wide 95% statement). The column \"lower bound at 1 - beta/{k}\" does that correction "
             f"(Bonferroni) from each trial's logged counts, so \"consistent (family-wise)\" is one statement about "
-            f"all {k} trials at confidence 1 - beta. \"gdp (estimate)\" is a point estimate, not a bound; the "
+            f"{all_of(k, 'trial')} at confidence 1 - beta. \"gdp (estimate)\" is a point estimate, not a bound; the "
             "\"Gaussian-family epsilon\" is the epsilon of the weakest Gaussian mechanism the f-DP test does not "
             "reject, a bound only for a Gaussian mechanism (compared, as mu, where the trial's is exactly Gaussian). "
             "Figure: "

@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from sweeps.words import best_of, counted
 from trainables.tracking import TAG_PARENT, TAG_TRIAL, retry
 
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` listens by default
@@ -213,12 +214,18 @@ def selection_caveat(private: bool, n: int, claims: bool = True) -> str:
     """What covers choosing the best of ``n`` trials (docs/tuning_privacy.md); ``claims``: whether
     the trials claim any privacy for their training data at all."""
     if not claims:
-        return (f"a tuning choice among {n} trials, none of which claims privacy for its training data; the best "
-                "value is an optimistic estimate of the chosen configuration's (it was chosen on the same test set)")
+        if n == 1:
+            return "the only trial, which claims no privacy for its training data: nothing was chosen"
+        return (f"a tuning choice among {counted(n, 'trial')}, none of which claims privacy for its training data; "
+                "the best value is an optimistic estimate of the chosen configuration's (it was chosen on the same "
+                "test set)")
     if private:
         return ("the released trial of a tuning_privacy sweep: covered by the end-to-end epsilon "
                 "(Papernot & Steinke 2022)")
-    return (f"not private: choosing the best of {n} trials uses the training data again and no guarantee covers "
+    if n == 1:
+        return ("the only trial: nothing was chosen, so its own epsilon covers it (choosing among trials needs "
+                "tuning_privacy for an end-to-end guarantee)")
+    return (f"not private: choosing {best_of(n, 'trial')} uses the training data again and no guarantee covers "
             "the choice; each trial's epsilon holds for that trial alone (tuning_privacy gives an end-to-end one)")
 
 

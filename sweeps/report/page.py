@@ -59,6 +59,7 @@ from sweeps.report.data import (
     reference_rows,
     with_groups,
 )
+from sweeps.words import all_of, counted
 from trainables.tracking import retry
 
 DEFAULT_SIZES = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
@@ -233,7 +234,10 @@ def _privacy_section(sweep: Sweep) -> list[str]:
     all_eps = list(trials["epsilon"].dropna().astype(float)) if "epsilon" in trials else []
     eps = [e for e in all_eps if math.isfinite(e)]
     if eps:
-        lines.append(f"Per-trial epsilon: {min(eps):.4g} to {max(eps):.4g} (each holds for its own trial only).")
+        from sweeps.words import span
+
+        whose = "each holds for its own trial only" if len(eps) > 1 else "it holds for that trial only"
+        lines.append(f"Per-trial epsilon: {span(min(eps), max(eps))} ({whose}).")
     if "trainable" in trials and len(trials):
         from trainables.registry import REGISTRY
 
@@ -265,6 +269,10 @@ def _privacy_section(sweep: Sweep) -> list[str]:
                   f"dp-accounting).{rel}{' with ' + ', '.join(score) if score else ''}. The other trials are "
                   "not covered by that guarantee and must not be published: this report is for the sweep's owner; "
                   "what may be published is `dpsweep release` (docs/tuning_privacy.md)."]
+    elif len(trials) == 1:
+        lines += ["", "One trial, nothing chosen: its own epsilon covers it. A sweep that chooses among trials "
+                  "trained on the same private data needs `tuning_privacy` (docs/tuning_privacy.md) for an "
+                  "end-to-end guarantee."]
     else:
         lines += ["", "**The selection among trials is not covered by any privacy guarantee.** Choosing the best "
                   f"of these {len(trials)} trials, trained on the same private data, uses that data again: the "
@@ -381,7 +389,7 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
         print(f"dpsweep: note: {_others_text(others)}", file=sys.stderr, flush=True)
     lines = [f"# Sweep report: {experiment}", ""]
     if len(sweep.sweeps) == 1:
-        lines += [f"Parent run `{sweep.parent.info.run_id}` ({sweep.parent.info.run_name}), {len(trials)} trials, "
+        lines += [f"Parent run `{sweep.parent.info.run_id}` ({sweep.parent.info.run_name}), {counted(len(trials), 'trial')}, "
                   f"tracking URI `{tracking_uri}`.", ""]
     if len(sweep.sweeps) == 1:   # the swept keys against search.metric (issue 34, point 7; sweeps/report/parallel.py)
         from sweeps.report.parallel import parallel_figure
@@ -389,8 +397,8 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
         figures.extend(f for f in [parallel_figure(sweep, out)] if f)
     else:
         lines += [f"{len(sweep.sweeps)} sweeps compared (column `sweep`, a series per sweep in every figure), "
-                  f"{len(trials)} trials, tracking URI `{tracking_uri}`:", ""]
-        lines += [f"* `{s.parent.info.run_name}`: parent run `{s.parent.info.run_id}`, {len(s.trials)} trials"
+                  f"{counted(len(trials), 'trial')}, tracking URI `{tracking_uri}`:", ""]
+        lines += [f"* `{s.parent.info.run_name}`: parent run `{s.parent.info.run_id}`, {counted(len(s.trials), 'trial')}"
                   for s in sweep.sweeps] + [""]
     if others:
         text = _others_text(others)
@@ -600,8 +608,13 @@ def _csv_spelling(frame):
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
+    """``rows`` as CSV, booleans spelt ``true``/``false`` as in ``trials.csv`` (``_csv_spelling``)."""
     import csv
 
+    import numpy as np
+
+    rows = [{k: ("true" if v else "false") if isinstance(v, (bool, np.bool_)) else v for k, v in r.items()}
+            for r in rows]
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         w.writeheader()
