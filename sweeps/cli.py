@@ -309,8 +309,18 @@ def _run(args, interrupts, sweep: dict) -> int:
     from sweeps.secret_store import save_secret
 
     secret_path = save_secret(exp_dir, run_name, noise_key)  # owner-only, before anything can draw from it
-    info = start_parent_run(tracking_uri, spec.mlflow.experiment or spec.name, run_name, spec.raw,
-                            spec_to_flat_params(spec))
+    from sweeps.tracking import TrackingFailed
+
+    try:
+        info = start_parent_run(tracking_uri, spec.mlflow.experiment or spec.name, run_name, spec.raw,
+                                spec_to_flat_params(spec))
+    except TrackingFailed as exc:   # nothing ran: the experiment directory (the secret only) goes too
+        if secret_path and "://" not in exp_dir:
+            import shutil
+
+            shutil.rmtree(exp_dir, ignore_errors=True)
+        _err(str(exc))
+        return EXIT_FAILED
     sweep.update(info=info, exp_dir=exp_dir, total=total)
     info["swept"] = swept_keys(spec, trials)  # names the child runs
     artifact_warning(info)
@@ -389,7 +399,7 @@ def mlflow_ui_hint(tracking_uri: str, experiment_id) -> str:
     page = f"#/experiments/{experiment_id}/runs?workflowType=machine_learning"
     if tracking_uri.startswith(("http://", "https://")):
         return f"{tracking_uri.rstrip('/')}/{page}"
-    return f"{_tool('mlflow')} ui --backend-store-uri {tracking_uri}, then open http://127.0.0.1:5000/{page}"
+    return f"{_tool('mlflow')} ui --backend-store-uri {tracking_uri} --port 5000, then open http://127.0.0.1:5000/{page}"
 
 
 def _unfinished(results, total: int | None, *, interrupted: bool = False, early_stops: bool = False,
@@ -490,7 +500,9 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
                                    finished_ids=_finished_in_mlflow(info))
     if interrupted or unfinished:
         return _interrupted(info, exp_dir, done, total, interrupts)
-    rows, summary, failed = summarize(results, extra_metrics=[spec.search.metric] if spec.search.metric else [])
+    from sweeps.report.best import closing_lines, console_metrics, describe_released, label_candidates
+
+    rows, summary, failed = summarize(results, extra_metrics=console_metrics(spec))
     tuning = None
     if spec.tuning_privacy is not None:
         from sweeps.spec.tuning import candidates_beyond_guarantee, ran_trial_epsilon, tuning_summary
@@ -510,8 +522,7 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
             return EXIT_FAILED
     released = record_selection(info, spec, rows, tuning)
     if released is not None:
-        print(f"released: trial {released.get('trial_id', '?')} with {spec.search.metric} = "
-              f"{released[spec.search.metric]:.4g} (the only output covered by the end-to-end guarantee)")
+        print(describe_released(spec, released))
     from sweeps.report.best import describe_best, record_best
     from sweeps.words import all_of
 
@@ -522,7 +533,7 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
         _err(f"could not tag the best trial and the compare view on the parent run: {exc}")
     finish_parent_run(info, summary, "FAILED" if failed else "FINISHED")
     print()
-    print(format_table(rows))
+    print(format_table(label_candidates(rows, spec)))
     if any(r.get("!") for r in rows):
         print(NOT_LEARNED_LEGEND)
     print()
@@ -536,6 +547,8 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     if best is not None and best.compare_url:
         print(f"compare:  {best.compare_url} ({all_of(best.n_runs, 'trial')}: parallel coordinates of the swept keys "
               "against a metric)")
+    for line in closing_lines(spec, tuning, best, tracking_uri, experiment):
+        print(line)
     print(f"resume:   {_tool('dpsweep')} resume {exp_dir}")
     return EXIT_FAILED if failed else EXIT_OK
 
@@ -698,6 +711,9 @@ def main(argv: list[str] | None = None) -> int:
     from trainables import quiet_accounting_logs
 
     quiet_accounting_logs()  # dp-accounting's per-order convergence warnings (trainables/__init__.py)
+    from sweeps.tracking import bound_mlflow_http
+
+    bound_mlflow_http()  # a failing tracking server ends a call in minutes, not tens of minutes (docs/faults.md)
     args = build_parser().parse_args(argv)
     return args.fn(args)
 

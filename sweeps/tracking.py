@@ -93,30 +93,40 @@ def _probe_server(uri: str, *, field: str, timeout: float, tries: int) -> None:
             context = ssl.create_default_context(cafile=os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH") or None)
     base = uri.rstrip("/")
     reason = ""
+    api = "/api/2.0/mlflow/experiments/search?max_results=1"
+
+    def status_of(path: str) -> int | None:
+        nonlocal reason
+        try:
+            with urllib.request.urlopen(base + path, timeout=timeout, context=context) as resp:  # noqa: S310
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except (urllib.error.URLError, OSError) as exc:
+            reason = str(getattr(exc, "reason", exc) or exc)
+            return None
+
     for attempt in range(max(1, tries)):
         if attempt:
             time.sleep(0.5)
-        status = None
-        for path in ("/health", "/api/2.0/mlflow/experiments/search?max_results=1"):
-            try:
-                with urllib.request.urlopen(base + path, timeout=timeout, context=context) as resp:  # noqa: S310
-                    status = resp.status
-            except urllib.error.HTTPError as exc:
-                status = exc.code
-            except (urllib.error.URLError, OSError) as exc:
-                reason = str(getattr(exc, "reason", exc) or exc)
-                break
-            if status != 404:
-                break
-        if status is None:
+        health = status_of("/health")
+        if health is None:
             continue
-        if status == 404:
+        # the REST API too: a server whose /health answers while its store fails (HTTP 500 on every
+        # call) would otherwise pass, then fail the sweep after MLflow's own retries (issue 33, point 6)
+        rest = status_of(api)
+        if rest is None:
+            continue
+        if health == 404 and rest == 404:
             raise TrackingUnreachable(f"{field}: {uri} answers, but not as an MLflow tracking server (HTTP 404 on "
                                       f"/health and on the REST API); check the address")
-        if status >= 500:
-            reason = f"HTTP {status} on /health"
+        if health >= 500 or rest >= 500:
+            reason = f"HTTP {health} on /health" if health >= 500 else f"HTTP {rest} on its REST API"
             continue
         return  # 2xx, 3xx, or 4xx such as 401: the server is there (credentials are MLflow's to send)
+    if reason.startswith("HTTP"):
+        raise TrackingUnreachable(f"{field}: the MLflow tracking server at {uri} fails ({reason}, {tries} tries); "
+                                  f"its log or its backend store says why")
     raise TrackingUnreachable(f"{field}: no MLflow tracking server answers at {uri} ({reason}, {tries} tries of "
                               f"{timeout:g} s); start one (mlflow server --host HOST --port PORT) or pass another "
                               f"--tracking-uri")
@@ -160,28 +170,65 @@ def experiment_id(client, name: str) -> str:
     return exp_id
 
 
+class TrackingFailed(RuntimeError):
+    """The tracking store failed while the sweep was being set up; the message is one line."""
+
+
+#: MLflow's HTTP client retries, bounded for dpsweep unless the user sets them (docs/faults.md):
+#: a call's request times out after 20 s and is retried twice (1 s, 2 s), and ``retry`` repeats a
+#: failing call 8 times over about a minute, so a server that keeps failing ends a call in about
+#: 2 minutes (8 minutes at most when every request hangs until its timeout).
+MLFLOW_HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                      "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+
+
+def bound_mlflow_http() -> None:
+    """Set ``MLFLOW_HTTP_BOUNDS`` in this process's environment (the trials of a local Ray inherit
+    it) where the user has not set them: MLflow's defaults (7 retries, factor 2, 120 s) keep a call
+    against a failing server going for tens of minutes (issue 33, point 6)."""
+    for key, value in MLFLOW_HTTP_BOUNDS.items():
+        os.environ.setdefault(key, value)
+
+
 def start_parent_run(tracking_uri: str, experiment: str, run_name: str, spec_raw: dict, flat_params: dict) -> dict:
     """Create the parent run; returns the info trials need (``_mlflow`` in their config), with the
     tracking URI made absolute (``absolute_tracking_uri``): ``sqlite:///mlflow.db`` names the
-    database in this process's working directory, for every trial."""
+    database in this process's working directory, for every trial.
+
+    A store that fails part-way raises ``TrackingFailed`` (one line) after setting the run it
+    created FAILED where the store still takes that write: no parent run is left RUNNING by a sweep
+    that never started."""
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
     tracking_uri = absolute_tracking_uri(tracking_uri)  # trials run in other working directories
     client = MlflowClient(tracking_uri)
-    exp_id = experiment_id(client, experiment)
-    tags = {"mlflow.runName": run_name, "dpsweep.kind": "sweep", "dpsweep.version": project_version(),
-            "dpsweep.git_commit": git_commit(), "mlflow.source.git.commit": git_commit()}
-    run = retry(lambda: client.create_run(exp_id, tags=tags, run_name=run_name), what="create_run")
-    run_id = run.info.run_id
-    params = [Param(k[:250], str(v)[:6000]) for k, v in sorted(flat_params.items())]
-    for i in range(0, len(params), 100):
-        batch = params[i:i + 100]
-        retry(lambda: client.log_batch(run_id, params=batch), what="log_batch(params)")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "spec.yaml"
-        path.write_text(yaml.safe_dump(spec_raw, sort_keys=False))
-        retry(lambda: client.log_artifact(run_id, str(path)), what="log_artifact(spec)")
+    run_id = None
+    try:
+        exp_id = experiment_id(client, experiment)
+        tags = {"mlflow.runName": run_name, "dpsweep.kind": "sweep", "dpsweep.version": project_version(),
+                "dpsweep.git_commit": git_commit(), "mlflow.source.git.commit": git_commit()}
+        run = retry(lambda: client.create_run(exp_id, tags=tags, run_name=run_name), what="create_run")
+        run_id = run.info.run_id
+        params = [Param(k[:250], str(v)[:6000]) for k, v in sorted(flat_params.items())]
+        for i in range(0, len(params), 100):
+            batch = params[i:i + 100]
+            retry(lambda: client.log_batch(run_id, params=batch), what="log_batch(params)")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "spec.yaml"
+            path.write_text(yaml.safe_dump(spec_raw, sort_keys=False))
+            retry(lambda: client.log_artifact(run_id, str(path)), what="log_artifact(spec)")
+    except Exception as exc:  # noqa: BLE001 - MLflow raises many kinds; the message says which
+        left = ""
+        if run_id is not None:
+            try:
+                client.set_terminated(run_id, status="FAILED")
+                left = f"; its parent run {run_id} is FAILED"
+            except Exception:  # noqa: BLE001
+                left = f"; its parent run {run_id} could not be closed (the store refuses writes)"
+        last = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+        raise TrackingFailed(f"MLflow tracking store {tracking_uri} failed while the sweep was set up "
+                             f"({last}){left}; nothing ran") from exc
     return {"tracking_uri": tracking_uri, "experiment_id": exp_id, "parent_run_id": run_id}
 
 
@@ -289,6 +336,11 @@ def record_selection(info: dict, spec, rows: list[dict], tuning: dict[str, float
     best = best_row(rows, spec.search.metric, spec.search.mode)
     if best is not None:
         metrics.append(Metric(f"released_{spec.search.metric}", float(best[spec.search.metric]), ts, 0))
+        import math
+
+        held = best.get(f"heldout_{spec.search.metric}")   # a selection split: the headline (issue 34, point 2)
+        if isinstance(held, (int, float)) and math.isfinite(held):
+            metrics.append(Metric(f"released_heldout_{spec.search.metric}", float(held), ts, 0))
         tags.append(RunTag("dpsweep.released_trial_id", str(best.get("trial_id", ""))))
         child = _child_run(client, info, str(best.get("trial_id", "")))
         if child is not None:
