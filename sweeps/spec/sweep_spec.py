@@ -647,6 +647,9 @@ def _planned_train_size(config: dict) -> int:
         from dpmech.datasets.splits import train_split_size
 
         n = train_split_size(config.get("dataset", "mnist"))
+    from trainables.config import validation_images
+
+    n = int(n) - validation_images(config)  # a validation split is held back from training
     return int(n) + int(config.get("audit_canaries") or 0) + int((config.get("audit") or {}).get("canaries") or 0)
 
 
@@ -688,9 +691,6 @@ def _model_warnings(spec: SweepSpec) -> list[str]:
         dim = next((d for d in space.dims if d.key == "model"), None)
         where = dim.path if dim is not None else ("common.model" if "model" in spec.common else f"{space.path}.model")
         for c in configs:
-    from trainables.config import validation_images
-
-    n = int(n) - validation_images(config)  # a validation split is held back from training
             for line in user_model_warnings(space.model, c):
                 if f"{where}: {line}" not in out:
                     out.append(f"{where}: {line}")
@@ -782,6 +782,7 @@ def validate_spec(raw: dict) -> SweepSpec:
     except ValidationError as exc:
         raise _section_error(exc) from None
     _check_search(spec)
+    _check_selection(spec)
     _check_scheduler(spec)
     _check_resources(spec)
     if spec.tuning_privacy is not None:
@@ -825,7 +826,6 @@ def expand_trials(spec: SweepSpec) -> list[dict]:
     if spec.search.algorithm == "optuna":
         raise SpecError("search.algorithm: optuna proposes its trials while the sweep runs; there is no list to expand")
     return copy.deepcopy(_trials(spec))
-    _check_selection(spec)
 
 
 def ray_param_space(spec: SweepSpec) -> dict:
