@@ -277,6 +277,8 @@ def _run(args, interrupts, sweep: dict) -> int:
         return EXIT_OK
     if not _tracking_ok(tracking_uri):  # a few seconds at most, before Ray starts or any MLflow run
         return EXIT_INVALID
+    if not _space_ok(storage, tracking_uri):
+        return EXIT_INVALID
 
     from dpmech.datasets.splits import ensure_available
 
@@ -323,6 +325,7 @@ def _run(args, interrupts, sweep: dict) -> int:
         return EXIT_FAILED
     sweep.update(info=info, exp_dir=exp_dir, total=total)
     info["swept"] = swept_keys(spec, trials)  # names the child runs
+    info["candidates"] = spec.tuning_privacy is not None  # the console calls them candidates, not repeats
     artifact_warning(info)
     if "://" not in storage:
         save_state(Path(exp_dir), {"spec": spec.raw, "mlflow": info, "run_name": run_name, "total": total,
@@ -465,10 +468,37 @@ def _interrupted(info: dict, exp_dir: str, done: int | None, total: int | None, 
         if done is None:
             done = len(_finished_in_mlflow(info))
         left = f"{done} of {total} trials finished; " if total else ""
-        how = f" ({interrupts.name})" if interrupts is not None and interrupts.interrupted else ""
-        print(f"dpsweep: interrupted{how}: {left}MLflow parent run {info['parent_run_id']} KILLED; "
+        signalled = interrupts is not None and interrupts.interrupted
+        what = f"interrupted ({interrupts.name})" if signalled else "stopped before every trial finished"
+        print(f"dpsweep: {what}: {left}MLflow parent run {info['parent_run_id']} KILLED; "
               f"continue with: {resume}", file=sys.stderr, flush=True)
+    if interrupts is not None and not signalled:   # no signal: Tune stopped (issue 33, point 5)
+        return EXIT_FAILED
     return interrupts.exit_code if interrupts is not None else EXIT_INTERRUPTED
+
+
+def _cause(exc: BaseException, kind: type) -> BaseException | None:
+    """``exc`` or the first exception of type ``kind`` in its chain (Ray Tune wraps what it raises)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _close_parent(info: dict, status: str, note: str) -> str:
+    """Set the parent run ``status``; returns what the console may say of it: the status, or that
+    the store refused the write and the run still shows RUNNING (never a status MLflow lacks)."""
+    from sweeps.tracking import stop_parent_run
+
+    try:
+        stop_parent_run(info, status, note)
+        return status
+    except Exception as exc:  # noqa: BLE001
+        last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+        return f"still shows RUNNING (the tracking store refused the update: {last})"
 
 
 def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, total: int | None = None,
@@ -487,13 +517,20 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     except KeyboardInterrupt:
         return _interrupted(info, exp_dir, None, total, interrupts)
     except Exception as exc:  # noqa: BLE001 - a crashed sweep must not leave its parent RUNNING
+        from sweeps.disk import StorageFull
+
+        full = _cause(exc, StorageFull)
+        if full is not None:   # stopped on purpose, resumable once space is freed
+            _stop_ray()
+            resume = f"{_tool('dpsweep')} resume {exp_dir}"
+            state = _close_parent(info, "KILLED", f"{full}; free space, then: {resume}")
+            _err(f"{full}: the sweep stopped; MLflow parent run {info['parent_run_id']} {state}; free space, then "
+                 f"continue with: {resume}")
+            return EXIT_FAILED
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        try:
-            stop_parent_run(info, "FAILED", f"{type(exc).__name__}: {first}")
-        except Exception:  # noqa: BLE001
-            pass
+        state = _close_parent(info, "FAILED", f"{type(exc).__name__}: {first}")
         _err(f"the sweep crashed ({type(exc).__name__}: {first}); MLflow parent run {info['parent_run_id']} "
-             f"FAILED; logs under {exp_dir}")
+             f"{state}; logs under {exp_dir}")
         return EXIT_FAILED
     interrupted = interrupts is not None and interrupts.interrupted
     unfinished, done = _unfinished(results, total, interrupted=interrupted, early_stops=spec.scheduler.type != "none",
@@ -576,7 +613,8 @@ def _resume(args, interrupts, sweep: dict) -> int:
     except (FileNotFoundError, SpecError, ValueError) as exc:
         _err(str(exc))
         return EXIT_INVALID
-    if not _tracking_ok(state["mlflow"]["tracking_uri"]):
+    if not _tracking_ok(state["mlflow"]["tracking_uri"]) or not _space_ok(str(exp_dir.parent),
+                                                                          state["mlflow"]["tracking_uri"]):
         return EXIT_INVALID
     from sweeps.runner import RayUnreachable
 
@@ -644,6 +682,17 @@ def cmd_report(args) -> int:
         return EXIT_INVALID
     print(f"report written to {out}")
     return EXIT_OK
+
+
+def _space_ok(storage: str, tracking_uri: str) -> bool:
+    """Whether the local storage and store have room and are writable (``sweeps.disk``); if not,
+    one ``dpsweep: error:`` line naming the path and its free space."""
+    from sweeps.disk import storage_problems
+
+    problems = storage_problems(storage, tracking_uri)
+    if problems:
+        _err("; ".join(problems))
+    return not problems
 
 
 def _tracking_ok(uri: str) -> bool:

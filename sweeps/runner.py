@@ -16,6 +16,7 @@ from pathlib import Path
 from ray import tune
 from ray.exceptions import RayActorError
 
+from sweeps.disk import local_paths
 from trainables.dispatch import dispatch
 
 STATE_FILE = "dpsweep.json"
@@ -205,6 +206,8 @@ def _describe(config: dict) -> str:
     cfg = trial_config(config)
     keys = ["trainable", *_swept_in(config), *SHOWN_KEYS]
     shown = {k: cfg[k] for k in dict.fromkeys(keys) if k in cfg}
+    if (config.get("_mlflow") or {}).get("candidates"):  # tuning_privacy: candidates, not repeats (issue 34.9)
+        shown = {("candidate" if k == "repeat" else k): v for k, v in shown.items()}
     return ", ".join(f"{k}={_show(v)}" for k, v in shown.items())
 
 
@@ -298,8 +301,10 @@ class ForwardInterrupt(tune.Callback):
             interrupts.forward()
 
 
-def callbacks(spec, total: int | None) -> list:
-    out = [ProgressPrinter(total), ForwardInterrupt()]
+def callbacks(spec, total: int | None, places: list[tuple[str, str]] = ()) -> list:
+    from sweeps.disk import StorageWatch
+
+    out = [ProgressPrinter(total), ForwardInterrupt(), StorageWatch(list(places))]
     if not spec.keep_checkpoints:
         out.append(CheckpointCleaner())
     return out
@@ -335,7 +340,8 @@ def build_tuner(spec, *, storage: str, run_name: str, mlflow_info: dict, param_s
         failure_config=tune.FailureConfig(max_failures=spec.failure.max_retries),
         checkpoint_config=tune.CheckpointConfig(num_to_keep=2),  # the full state; the one before the latest
         # is the fallback when the latest is torn (trainables.runtime.restore_checkpoint)
-        callbacks=callbacks(spec, total),
+        callbacks=callbacks(spec, total, [(what, str(path)) for what, path in
+                                          local_paths(storage, mlflow_info.get("tracking_uri", ""))]),
         verbose=0,
     )
     return tune.Tuner(trainable, param_space=space, tune_config=tune_config, run_config=run_config)
@@ -363,17 +369,38 @@ def unique_run_name(name: str, storage: str) -> str:
 
 
 def save_state(experiment_dir: Path, state: dict) -> None:
+    """Write ``dpsweep.json`` atomically: a temporary file, flushed to disk, renamed over the old."""
     experiment_dir.mkdir(parents=True, exist_ok=True)
     tmp = experiment_dir / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(state, indent=2))
+        fh.flush()
+        os.fsync(fh.fileno())
     tmp.replace(experiment_dir / STATE_FILE)
 
 
 def load_state(experiment_dir: Path) -> dict:
+    """The experiment's ``dpsweep.json``; a ValueError in one line when it, or Ray Tune's experiment
+    snapshot beside it, is torn (issue 33, point 5: a full disk once left a snapshot whose resume
+    ran a trial with an empty config)."""
     path = experiment_dir / STATE_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: not a dpsweep experiment directory")
-    return json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path} is torn ({exc}): this experiment cannot be resumed") from None
+    for snap in sorted(experiment_dir.glob("experiment_state-*.json")):
+        try:
+            data = json.loads(snap.read_text())
+            bad = [i for i, (trial, _meta) in enumerate(data["trial_data"]) if '"config"' not in trial]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{snap} is torn ({type(exc).__name__}: {str(exc)[:120]}): Ray Tune's experiment "
+                             f"state cannot be resumed; the finished trials are in MLflow") from None
+        if bad:
+            raise ValueError(f"{snap} is torn: trial entries {bad} have no config; the finished trials are in "
+                             f"MLflow") from None
+    return state
 
 
 def _varying_keys(results, configs: list[dict]) -> list[str]:
@@ -389,6 +416,9 @@ def _varying_keys(results, configs: list[dict]) -> list[str]:
         if len(values) > 1:
             keys.append(k)
     return keys
+
+
+AUDIT_COLUMNS = ("audit_claim", "epsilon_lower_bound")  # with audit_epsilon_lb*: an audited trial's claim and bounds
 
 
 def summarize(result_grid, extra_metrics=()) -> tuple[list[dict], dict[str, float], int]:
@@ -408,7 +438,8 @@ def summarize(result_grid, extra_metrics=()) -> tuple[list[dict], dict[str, floa
             if k in cfg:
                 row[f"cfg.{k}"] = cfg[k] if isinstance(cfg[k], (int, float, str, bool)) else _show(cfg[k])
         for k, val in m.items():
-            if k.startswith(("acc_", "cert_acc_", "smooth_cert_acc_")) or k in ("epsilon", "delta", *extra_metrics):
+            if k.startswith(("acc_", "cert_acc_", "smooth_cert_acc_")) or k in ("epsilon", "delta", *extra_metrics) \
+                    or k in AUDIT_COLUMNS or k.startswith("audit_epsilon_lb"):  # an audit's claim and bounds
                 row[k] = val
         row["status"] = ("ERROR" if r.error else "DIVERGED" if m.get("diverged") == 1
                          else "DONE" if m.get("evaluated") else "STOPPED")
