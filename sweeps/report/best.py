@@ -202,6 +202,64 @@ def describe_held_out(score: ConfigScore | None, metric: str, split: str = "") -
     return f"held-out {metric} = {_fmt(mean)}{spread} on {where}"
 
 
+# --------------------------------------------------------------------------- the closing lines of `dpsweep run`
+
+
+def console_metrics(spec) -> list[str]:
+    """Metrics the console's results table adds to the accuracies and epsilon: the search metric,
+    its held-out score (``heldout_<metric>``, with a selection split) and, for an audited trial, its
+    claim and bounds (``sweeps.runner.summarize`` keeps the ``audit_*`` ones it finds)."""
+    metric = spec.search.metric
+    return [metric, HELD_OUT + metric] if metric else []
+
+
+def label_candidates(rows: list[dict], spec) -> list[dict]:
+    """A tuning-private sweep's trials are candidates (each drawn independently, K of them), not
+    repeats of one configuration: the console says ``candidate`` where a repeat index would be."""
+    if spec.tuning_privacy is None:
+        return rows
+    out = []
+    for r in rows:
+        r = dict(r)
+        if "cfg.repeat" in r:
+            r = {("candidate" if k == "cfg.repeat" else k): v for k, v in r.items()}
+        out.append(r)
+    return out
+
+
+def describe_released(spec, released: dict) -> str:
+    """The console's ``released:`` line: its selection score and, with a selection split, its
+    held-out score, the headline (images the selection never read)."""
+    metric = spec.search.metric
+    line = (f"released: trial {released.get('trial_id', '?')} with {metric} = {released[metric]:.4g} "
+            "(the only output covered by the end-to-end guarantee)")
+    held = released.get(HELD_OUT + metric)
+    if _finite(held):
+        line += (f"\nheadline: held-out {metric} = {held:.4g} on the test images the selection never read "
+                 f"({HELD_OUT}{metric}; its selection score counts the selection's luck)")
+    return line
+
+
+def closing_lines(spec, tuning: dict | None, best: "Best | None", tracking_uri: str, experiment: str) -> list[str]:
+    """What the console says last about privacy and where to look (issue 34, points 7 and 9): a
+    tuning-private sweep restates its end-to-end epsilon and points to ``dpsweep release`` (what may
+    be published); the compare view's port and the metric to pick in it."""
+    out = []
+    if best is not None and best.compare_url and best.metric:
+        port = "" if tracking_uri.startswith(("http://", "https://")) else (
+            " (the address assumes `mlflow ui` on port 5000: start it with --port 5000, or change the port in it)")
+        out.append(f"          compare view{port}: MLflow opens its parallel-coordinates plot on the first metric it "
+                   f"lists (often train_loss); pick {best.metric} in the plot's Metrics box, or see the report's "
+                   "parallel_coordinates.png")
+    if spec.tuning_privacy is not None and tuning is not None:
+        out.append(f"privacy:  end-to-end epsilon {tuning['tuning_epsilon']:.4g} at delta {tuning['tuning_delta']:.3g} "
+                   f"for the released trial (private selection over K ~ {spec.tuning_privacy.distribution}(mean "
+                   f"{spec.tuning_privacy.mean:g}) candidates, Papernot & Steinke 2022); the candidates, their scores "
+                   f"and K are for the owner only; publish with: dpsweep release {experiment} --tracking-uri "
+                   f"{tracking_uri} --out release/")
+    return out
+
+
 def claims_privacy(trainables) -> bool:
     """Whether any of these trainables' epsilon protects its training data (PixelDP's does not: it
     is a robustness parameter; ``TrainableEntry.privacy_epsilon``)."""

@@ -501,3 +501,28 @@ def reference_rows(trials, reference: dict | None) -> list[dict]:
                          "difference": mean - published if n else math.nan,
                          "_where": point["where"], "_mean": mean, "_sd": sd, "_n": n})
     return rows
+
+
+# the flat black-box audit keys, which the ``audit`` mapping replaces (trainables.audit_config)
+FLAT_AUDIT_PARAMS = ("param.audit_canaries", "param.audit_guess_fraction", "param.audit_beta")
+
+
+def without_shadowed_audit_keys(trials):
+    """``trials`` without the flat audit keys (``audit_canaries = 0`` and its defaults) where the
+    trial ran the ``audit`` mapping instead (issue 34, point 8): a row then shows the mapping that ran,
+    not a flat ``audit_canaries = 0`` beside its 1,000 canaries. A column left empty is dropped."""
+    if "param.audit" not in trials or trials.empty:
+        return trials
+    # MLflow keeps a mapping param as its Python repr ("{'mode': 'whitebox', ...}"), read back as text
+    mapped = trials["param.audit"].map(lambda v: (isinstance(v, dict) and bool(v))
+                                       or (isinstance(v, str) and v.strip().startswith("{") and v.strip() != "{}"))
+    if not mapped.any():
+        return trials
+    out = trials.copy()
+    for col in FLAT_AUDIT_PARAMS:
+        if col in out:
+            out[col] = out[col].astype(object)
+            out.loc[mapped, col] = None
+            if out[col].isna().all():
+                out = out.drop(columns=[col])
+    return out

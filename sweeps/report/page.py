@@ -94,7 +94,9 @@ def _headline_metrics(trials) -> list[str]:
     first = ("epsilon", "epsilon_pld", "delta", "noise_multiplier", "sampling_rate", "steps", "epsilon_lower_bound",
              "robustness_epsilon_config", "robustness_epsilon")
     metrics = [c for c in trials.columns if c in first or c == "acc_clean"
-               or str(c).startswith(("acc_", "cert_acc_", "smooth_cert_acc_")) and c != "acc_clean_expected"]
+               or str(c).startswith(("acc_", "cert_acc_", "smooth_cert_acc_", "heldout_acc_", "heldout_cert_acc_",
+                                     "heldout_smooth_cert_acc_")) and c not in ("acc_clean_expected",
+                                                                                "heldout_acc_clean_expected")]
     metrics.sort(key=lambda c: (c not in first, first.index(c) if c in first else 0, c != "acc_clean", c))
     return metrics
 
@@ -269,6 +271,7 @@ def _privacy_section(sweep: Sweep) -> list[str]:
                   f"dp-accounting).{rel}{' with ' + ', '.join(score) if score else ''}. The other trials are "
                   "not covered by that guarantee and must not be published: this report is for the sweep's owner; "
                   "what may be published is `dpsweep release` (docs/tuning_privacy.md)."]
+        lines += ["", *_owner_only(sweep)]
     elif len(trials) == 1:
         lines += ["", "One trial, nothing chosen: its own epsilon covers it. A sweep that chooses among trials "
                   "trained on the same private data needs `tuning_privacy` (docs/tuning_privacy.md) for an "
@@ -282,6 +285,20 @@ def _privacy_section(sweep: Sweep) -> list[str]:
 
     lines += section_lines(trials, _md_table)
     return lines + [""]
+
+
+def _owner_only(sweep: Sweep) -> list[str]:
+    """What of a private selection's report is for the sweep's owner only, and what may be published
+    (issue 34, point 9; docs/tuning_privacy.md)."""
+    name = sweep.experiment
+    return ["**For the sweep's owner only** (the end-to-end guarantee covers none of it): the number of trials "
+            "(it is K, which the bound assumes unobserved), every candidate's hyperparameters and scores, the "
+            "trials and certified-accuracy tables, `trials.csv`, `trials_aggregated.csv`, the figures, the best "
+            "configuration's runner-up and significance statement, and the MLflow runs.",
+            "",
+            "**What may be published**: the release bundle, and nothing else of the sweep: "
+            f"`dpsweep release {name} --out release/` writes the released trial's model, its hyperparameters, its "
+            "score, the end-to-end (epsilon, delta) and the threat model (docs/tuning_privacy.md)."]
 
 
 def _run_ids(parent_run_id) -> list[str]:
@@ -306,7 +323,9 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
     out.mkdir(parents=True, exist_ok=True)
     trials = sweep.trials
     visible = [c for c in trials.columns if c not in HIDDEN]
-    _csv_spelling(trials[visible]).to_csv(out / "trials.csv", index=False)
+    from sweeps.report.data import without_shadowed_audit_keys
+
+    _csv_spelling(without_shadowed_audit_keys(trials[visible])).to_csv(out / "trials.csv", index=False)
     files = [out / "trials.csv"]
 
     figures: list[tuple[str, str, str]] = []  # (title, file, caption)
@@ -383,6 +402,10 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
     from sweeps.report.samples import sample_grid_figures  # generative trials' sample grids (dpgan, dp_merf)
 
     figures.extend(sample_grid_figures(sweep, out))
+    if len(sweep.sweeps) == 1:   # the swept keys against search.metric (issue 34, point 7; sweeps/report/parallel.py)
+        from sweeps.report.parallel import parallel_figure
+
+        figures.extend(f for f in [parallel_figure(sweep, out)] if f)
 
     others = other_sweeps(sweep)
     if others:
@@ -391,10 +414,6 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
     if len(sweep.sweeps) == 1:
         lines += [f"Parent run `{sweep.parent.info.run_id}` ({sweep.parent.info.run_name}), {counted(len(trials), 'trial')}, "
                   f"tracking URI `{tracking_uri}`.", ""]
-    if len(sweep.sweeps) == 1:   # the swept keys against search.metric (issue 34, point 7; sweeps/report/parallel.py)
-        from sweeps.report.parallel import parallel_figure
-
-        figures.extend(f for f in [parallel_figure(sweep, out)] if f)
     else:
         lines += [f"{len(sweep.sweeps)} sweeps compared (column `sweep`, a series per sweep in every figure), "
                   f"{counted(len(trials), 'trial')}, tracking URI `{tracking_uri}`:", ""]
@@ -411,6 +430,10 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
         lines += _best_section(part, tracking_uri)
     lines += _reference_section(sweep, refs)
     lines += _dpal_side_by_side(trials, refs)
+    if len(sweep.sweeps) == 1:   # which swept key drove the search metric (issue 34, point 3)
+        from sweeps.report.importance import importance_section
+
+        lines += importance_section(sweep)
     if agg_rows:
         lines += ["## Trials", "",
                   "One row per configuration: repeats (`search.num_samples`; trials that differ only in `seed` and "
@@ -419,10 +442,6 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
                   *_md_table(agg_rows, agg_cols),
                   "", "Every trial's parameters and metrics: `trials.csv`; per configuration with mean, sd and n: "
                   "`trials_aggregated.csv`.", ""]
-    if len(sweep.sweeps) == 1:   # which swept key drove the search metric (issue 34, point 3)
-        from sweeps.report.importance import importance_section
-
-        lines += importance_section(sweep)
         if any(str(c).startswith("ref_") for c in agg_cols):
             lines += [f"Columns `ref_*` (DPAL `evaluation: reference`): {REF_PROTOCOL_LABEL} (docs/dpal.md).", ""]
     cert_rows = rp.certified_table(sweep, sizes)
