@@ -481,7 +481,8 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
 
 def _others_text(others: list[dict]) -> str:
     """What else the experiment holds, and how to include it."""
-    items = [f"{o['name']} ({o['run_id']}, {o['trials'] if o['trials'] is not None else 'unknown number of'} trials, "
+    items = [f"{o['name']} ({o['run_id']}, "
+             f"{counted(o['trials'], 'trial') if o['trials'] is not None else 'unknown number of trials'}, "
              f"{o['date']}, {o['status']})" for o in others[:10]]
     more = f" and {len(others) - 10} more" if len(others) > 10 else ""
     return (f"this experiment also holds {len(others)} other sweep{'s' if len(others) > 1 else ''}: "
