@@ -31,10 +31,13 @@ class LabelDPTrialConfig(CommonConfig):
 
     task: Literal["classification", "regression"] = Field(
         "classification", description="classification (cross-entropy on labels) or regression (MSE on the digit value)")
-    mechanism: Literal["laplace", "rr", "lp1st", "lp2st", "none"] = Field(
+    mechanism: Literal["laplace", "rr", "lp1st", "lp2st", "cluster_rr", "labeldp_pro", "none"] = Field(
         "laplace", description="laplace (one-hot + Lap(2/eps), or digit + Lap(9/eps) for regression), rr (K-ary "
         "randomized response), lp1st / lp2st (randomized response with a prior, Ghazi et al. 2021, one or two "
-        "stages; classification) or none (the non-private baseline; epsilon must be null)")
+        "stages; classification), cluster_rr (image-only k-means prior + noisy per-cluster histograms + "
+        "RR-with-prior, pure; a linear head on ScatterNet features), labeldp_pro (Ghazi et al. 2024's projected "
+        "noisy label gradients, approximate (epsilon, label_delta); the same head) or none (the non-private "
+        "baseline; epsilon must be null)")
     epsilon: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
         1.0, description="label-DP epsilon of the release (delta = 0); null = non-private baseline (true labels)")
     postprocess: Literal["argmax", "clamp_round"] = Field(
@@ -65,6 +68,19 @@ class LabelDPTrialConfig(CommonConfig):
         None, description="null: the recipe's network; or your factory's import path 'package.module:factory' "
                           "(docs/own_model.md; task regression calls it with num_classes=1), trained by the recipe's "
                           "optimizer and schedule")
+    n_clusters: int = Field(200, gt=0, description="cluster_rr: k-means clusters of the images (image-only, free)")
+    hist_share: float = Field(1.0, gt=0, le=1, description="cluster_rr: share of epsilon spent on the noisy per-cluster "
+                              "label histograms (Laplace, sensitivity 2); the rest on RR-with-prior")
+    rr_stages: int = Field(1, gt=0, description="cluster_rr: RR-with-prior stages (LP-MST); unused when hist_share is 1")
+    prior_temperature: float = Field(1.0, gt=0, allow_inf_nan=False,
+                                     description="cluster_rr: RR's top-k choice uses prior^temperature (< 1: larger k*)")
+    pca_dim: int = Field(50, gt=0, description="cluster_rr: principal components of the features clustered")
+    label_delta: float = Field(1e-5, gt=0, lt=1, description="labeldp_pro: delta of the (epsilon, delta) guarantee")
+    pro_batch_size: int = Field(5000, gt=0, description="labeldp_pro: examples per noisy gradient (disjoint batches)")
+    pro_lr: float = Field(0.5, gt=0, allow_inf_nan=False, description="labeldp_pro: step size (momentum 0.9)")
+    pro_clip: float = Field(1.0, gt=0, allow_inf_nan=False, description="labeldp_pro: norm of each [feature, 1] row")
+    pro_proj_images: int = Field(256, ge=0, description="labeldp_pro: public images whose per-label gradients span "
+                                 "the projection (0: the batch's own)")
     certify_images: int = Field(0, ge=0, le=0, description="label DP has no certificate: must be 0")
 
     # Label DP protects labels only: a neighbouring dataset that changes an image is not covered,
@@ -88,6 +104,7 @@ class LabelDPTrialConfig(CommonConfig):
 
     @model_validator(mode="after")
     def _mechanism_rules(self):
+        feature_rules(self)
         label_dp_config(self)  # raises ValueError naming the field
         if self.task == "regression" and self.attacks:
             raise ValueError("attacks: adversarial accuracy is defined for task 'classification' only")
@@ -97,10 +114,50 @@ class LabelDPTrialConfig(CommonConfig):
         return "label DP adds no noise to the model's input"
 
 
+FEATURE_MECHANISMS = ("cluster_rr", "labeldp_pro")
+CLUSTER_KEYS = ("n_clusters", "hist_share", "rr_stages", "prior_temperature", "pca_dim")
+PRO_KEYS = ("label_delta", "pro_batch_size", "pro_lr", "pro_clip", "pro_proj_images")
+
+
+def feature_rules(cfg: LabelDPTrialConfig) -> None:
+    """The high-privacy mechanisms' rules (one-line ValueError naming the key)."""
+    fields = type(cfg).model_fields
+    for keys, mech in ((CLUSTER_KEYS, "cluster_rr"), (PRO_KEYS, "labeldp_pro")):
+        if cfg.mechanism != mech:
+            for key in keys:
+                if getattr(cfg, key) != fields[key].default:
+                    raise ValueError(f"{key}: applies to mechanism {mech} only (mechanism is {cfg.mechanism})")
+    if cfg.mechanism not in FEATURE_MECHANISMS:
+        return
+    if cfg.epsilon is None:
+        raise ValueError(f"epsilon: mechanism {cfg.mechanism} needs a finite epsilon > 0 (null is mechanism none)")
+    if cfg.task != "classification":
+        raise ValueError(f"task: mechanism {cfg.mechanism} applies to task 'classification' only")
+    if cfg.model is not None:
+        raise ValueError(f"model: mechanism {cfg.mechanism} trains its own linear head on ScatterNet features; must be null")
+    if cfg.mechanism == "cluster_rr" and cfg.hist_share == 1.0 and cfg.rr_stages != 1:
+        raise ValueError("rr_stages: must be 1 when hist_share is 1 (no budget is left for randomized response)")
+    if cfg.train_size is not None and cfg.mechanism == "cluster_rr" and cfg.n_clusters > cfg.train_size:
+        raise ValueError(f"n_clusters: must be <= train_size ({cfg.train_size}), got {cfg.n_clusters}")
+
+
+def feature_config(cfg: LabelDPTrialConfig):
+    from dpmech.label_dp.feature_trainer import FeatureLabelDPConfig
+
+    return FeatureLabelDPConfig(mechanism=cfg.mechanism, epsilon=cfg.epsilon, delta=cfg.label_delta, epochs=cfg.epochs,
+                                seed=cfg.seed, batch_size=cfg.batch_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                n_clusters=cfg.n_clusters, hist_share=cfg.hist_share, rr_stages=cfg.rr_stages,
+                                prior_temperature=cfg.prior_temperature, pca_dim=cfg.pca_dim,
+                                pro_batch_size=cfg.pro_batch_size, pro_lr=cfg.pro_lr, pro_clip=cfg.pro_clip,
+                                pro_proj_images=cfg.pro_proj_images)
+
+
 def label_dp_config(cfg: LabelDPTrialConfig):
     """The dpmech configuration of a trial."""
     from dpmech.label_dp.trainer import LabelDPConfig
 
+    if cfg.mechanism in FEATURE_MECHANISMS:
+        return feature_config(cfg)
     return LabelDPConfig(dataset=cfg.dataset, task=cfg.task, mechanism=cfg.mechanism, epsilon=cfg.epsilon,
                          postprocess=cfg.postprocess, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
                          seed=cfg.seed, recipe=cfg.recipe, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
@@ -116,6 +173,12 @@ class LabelDPMechanism(TrainerMechanism):
         from dpmech.datasets.splits import num_classes
         from dpmech.label_dp.trainer import LabelDPTrainer
 
+        if cfg.mechanism in FEATURE_MECHANISMS:
+            from dpmech.label_dp.feature_trainer import FeatureLabelDPTrainer
+
+            self.trainer = FeatureLabelDPTrainer(feature_config(cfg), x, y, num_classes=num_classes(cfg.dataset),
+                                                 device=device, noise_key=noise_key)
+            return
         self.trainer = LabelDPTrainer(label_dp_config(cfg), x, y, num_classes=num_classes(cfg.dataset), device=device,
                                       noise_key=noise_key)
 
@@ -137,7 +200,9 @@ def label_dp(config: dict, noise_key=None) -> None:
 
 
 def final_metrics(config: dict, metrics: set[str]) -> set[str]:
-    """A regression trial also reports ``mse``."""
+    """A regression trial also reports ``mse``; labeldp_pro releases no labels, so no keep rates."""
+    if config.get("mechanism") == "labeldp_pro":
+        metrics = metrics - {"label_keep_rate", "analytic_keep_prob"}
     return metrics | {"mse"} if config.get("task") == "regression" else metrics
 
 

@@ -1,0 +1,305 @@
+"""Issue 38: label DP at high privacy. cluster_rr's ledger (noisy per-cluster histograms + RR-with-prior,
+pure) against an independent computation; the image-only prior costs nothing while a prior that reads
+the labels is refused (the negative control); the exact posterior; LabelDP-Pro's calibration and
+projection; the trial keys' one-line errors; the shipped spec at a --set subset; the benchmark's JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dpmech.label_dp import cluster_prior as cp
+from dpmech.label_dp.labeldp_pro import (LabelDPProConfig, LabelDPProRun, _xhat, gaussian_epsilon,
+                                         project_linear_span)
+from dpmech.label_dp.rr_prior import matrix_epsilon, rr_prior_choose_k, rr_top_k_matrix
+from dpmech.privacy.mechanisms import gaussian_delta
+from dpmech.privacy.secret import NoiseKey
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _blobs(n=240, k=4, d=6, seed=0):
+    """Images-as-features in k well separated blobs; labels = blob, 10% of them changed."""
+    g = torch.Generator().manual_seed(seed)
+    blob = torch.randint(0, k, (n,), generator=g)
+    centres = torch.randn(k, d, generator=g) * 6
+    x = centres[blob] + torch.randn(n, d, generator=g)
+    y = torch.where(torch.rand(n, generator=g) < 0.1, torch.randint(0, k, (n,), generator=g), blob)
+    return x, y
+
+
+# --------------------------------------------------------------------------- the ledger
+
+
+def test_ledger_matches_an_independent_computation(monkeypatch):
+    """epsilon = eps_hist + eps_rr, recomputed per label from what was released: the histogram's noise
+    scale (fitted to the noise actually drawn) and each example's exact RR-Top-k output matrix."""
+    x, y = _blobs()
+    n, k = len(y), 4
+    cfg = cp.ClusterRRConfig(n_clusters=4, hist_share=0.3, stages=2, pca_dim=3,
+                             linear=cp.LinearConfig(epochs=2, batch_size=64))
+    seen = {"rr": [], "hist": []}
+    real_rr, real_hist = cp.rr_release, cp.noisy_cluster_histograms
+
+    def spy_rr(ledger, index, prior, epsilon, generator, name):
+        out = real_rr(ledger, index, prior, epsilon, generator, name)
+        seen["rr"].append((index.clone(), out[1].clone(), out[2].clone(), epsilon))
+        return out
+
+    def spy_hist(ledger, assignment, n_clusters, epsilon, generator, name="cluster_histograms"):
+        h = real_hist(ledger, assignment, n_clusters, epsilon, generator, name)
+        counts = torch.zeros(n_clusters, k, dtype=torch.float64).index_put_(
+            (assignment, y), torch.ones(n, dtype=torch.float64), accumulate=True)
+        seen["hist"].append((h - counts, epsilon))
+        return h
+
+    monkeypatch.setattr(cp, "rr_release", spy_rr)
+    monkeypatch.setattr(cp, "noisy_cluster_histograms", spy_hist)
+    ledger, info = cp.release_cluster_rr(x, cp.PrivateLabels(y, k), 0.8, cfg, seed=0,
+                                         noise_key=NoiseKey.reproducible(3))
+    assert len(seen["hist"]) == 1 and len(seen["rr"]) == 2
+    per_label = np.zeros(n)
+    noise, eps_h = seen["hist"][0]
+    # the histogram's epsilon from its sensitivity (2) and the scale of the release; the scale the
+    # ledger claims (2 / eps_h) must match the noise drawn: E|Lap(b)| = b, checked with many draws below
+    per_label += 2.0 / (cp.HISTOGRAM_SENSITIVITY / eps_h)
+    covered = np.zeros(n, dtype=bool)
+    for index, kstar, order, eps in seen["rr"]:
+        for row, i in enumerate(index.tolist()):
+            m = rr_top_k_matrix(order[row].tolist(), int(kstar[row]), eps)
+            per_label[i] += matrix_epsilon(m)
+            assert not covered[i]                           # each label in one RR stage only
+            covered[i] = True
+    assert covered.all()
+    assert ledger.epsilon() == pytest.approx(per_label.max(), rel=1e-12)
+    assert ledger.epsilon() == pytest.approx(0.8, rel=1e-12) and ledger.delta() == 0.0
+    assert ledger.guarantee() == "pure"
+    assert [e["name"] for e in ledger.to_dict()["entries"]] == ["cluster_histograms", "rr_stage1", "rr_stage2"]
+
+
+def test_histogram_noise_has_the_scale_the_ledger_charges_for():
+    """Many releases on fixed labels: the fitted Laplace scale (mean |noise|) gives 2 / b = eps_hist
+    within 3%; negative control: noise at half the scale would be read as twice the epsilon."""
+    x, y = _blobs(n=200)
+    a = torch.arange(200) % 20
+    counts = torch.zeros(20, 4, dtype=torch.float64).index_put_((a, y), torch.ones(200, dtype=torch.float64),
+                                                                 accumulate=True)
+    g = torch.Generator().manual_seed(5)
+    noise = []
+    for _ in range(50):
+        led = cp.LabelLedger(cp.PrivateLabels(y, 4))
+        noise.append(cp.noisy_cluster_histograms(led, a, 20, 0.1, g) - counts)
+        assert led.epsilon() == pytest.approx(0.1)
+    b_hat = float(torch.stack(noise).abs().mean())
+    assert 2.0 / b_hat == pytest.approx(0.1, rel=0.03)
+    from dpmech.privacy.mechanisms import laplace_noise
+
+    half = laplace_noise(torch.zeros(50 * 80, dtype=torch.float64), 10.0, torch.Generator().manual_seed(6))
+    assert 2.0 / float(half.abs().mean()) == pytest.approx(0.2, rel=0.05)   # would not pass as 0.1
+
+
+# --------------------------------------------------------------------------- image-only prior vs labels
+
+
+def test_a_prior_that_reads_the_labels_is_refused_and_charges_nothing():
+    x, y = _blobs()
+    labels = cp.PrivateLabels(y, 4)
+    ledger = cp.LabelLedger(labels)
+
+    def leaky_prior(feats):
+        return torch.nn.functional.one_hot(labels.reveal(None), 4).double() + 0.1
+
+    def leaky_prior_via_release(feats):
+        with ledger.release("sneaky", 1.0) as tok:
+            return labels.reveal(tok)
+
+    with pytest.raises(cp.LabelLeakError, match="prior must be computed from the images alone"):
+        ledger.public_prior(leaky_prior, x)
+    with pytest.raises(cp.LabelLeakError, match="inside a public computation"):
+        ledger.public_prior(leaky_prior_via_release, x)
+    assert ledger.entries == [] and ledger.epsilon() == 0.0
+    with pytest.raises(cp.LabelLeakError):
+        labels.reveal(object())                              # a token of no release
+    # the image-only prior runs and is the same whatever the labels are
+    cfg = cp.ClusterRRConfig(n_clusters=4, pca_dim=3)
+    assign = ledger.public_prior(cp.cluster_assignment, x, cfg, 0)
+    assert ledger.entries == []
+    image_only = lambda feats, lab: cp.cluster_assignment(feats, cfg, 0).double()   # noqa: E731
+    reads_labels = lambda feats, lab: lab.double()                                    # noqa: E731
+    y2 = (y + 1) % 4
+    assert cp.prior_label_dependence(image_only, x, y, y2) == 0.0
+    assert cp.prior_label_dependence(reads_labels, x, y, y2) > 0.0
+    assert torch.equal(assign, cp.cluster_assignment(x, cfg, 0))
+
+
+def test_rr_with_an_image_only_prior_costs_eps_and_with_a_label_prior_is_not_private():
+    """The mechanism y -> RRWithPrior(prior) of one example: with a prior fixed by the images its exact
+    output matrix has epsilon eps (no more); with a prior computed from y (one-hot of y, smoothed) the
+    released label reveals y: infinite epsilon (the cost a label-reading prior would hide)."""
+    eps, k = 0.5, 5
+    image_prior = np.array([0.3, 0.25, 0.2, 0.15, 0.1])
+    kstar, order = rr_prior_choose_k(torch.tensor(image_prior)[None], eps)
+    assert int(kstar[0]) >= 2
+    m_image = rr_top_k_matrix(order[0].tolist(), int(kstar[0]), eps)
+    assert matrix_epsilon(m_image) == pytest.approx(eps)
+    rows = []
+    for yy in range(k):
+        p = np.full(k, 0.01)
+        p[yy] = 1.0
+        ks, od = rr_prior_choose_k(torch.tensor(p)[None], eps)
+        rows.append(rr_top_k_matrix(od[0].tolist(), int(ks[0]), eps)[yy])
+    assert matrix_epsilon(np.array(rows)) == math.inf
+
+
+def test_posterior_is_bayes_rule_on_the_exact_channel():
+    g = torch.Generator().manual_seed(1)
+    prior = torch.rand(30, 5, generator=g, dtype=torch.float64) ** 3 + 1e-3
+    eps = 0.7
+    kstar, order = rr_prior_choose_k(prior, eps)
+    released = torch.stack([order[i, torch.randint(int(kstar[i]), (1,), generator=g)] for i in range(30)]).squeeze(1)
+    q = cp.rr_posterior(prior, released, kstar, order, eps)
+    for i in range(30):
+        m = rr_top_k_matrix(order[i].tolist(), int(kstar[i]), eps)
+        p = (prior[i] / prior[i].sum()).numpy()
+        want = p * m[:, int(released[i])]
+        assert np.allclose(q[i].numpy(), want / want.sum(), atol=1e-12)
+
+
+def test_cluster_rr_learns_the_blobs_at_small_epsilon():
+    x, y = _blobs(n=400)
+    cfg = cp.ClusterRRConfig(n_clusters=4, hist_share=1.0, stages=1, pca_dim=3,
+                             linear=cp.LinearConfig(epochs=10, batch_size=64, lr=0.05))
+    model, ledger, _ = cp.train_cluster_rr(x, cp.PrivateLabels(y, 4), 0.5, cfg, seed=0, noise_key=NoiseKey.reproducible(0))
+    blob_acc = float((cp.softmax_of(model, x).argmax(1) == y).float().mean())
+    assert blob_acc > 0.85 and ledger.epsilon() == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------- LabelDP-Pro
+
+
+def test_labeldp_pro_calibration_and_ledger():
+    x, y = _blobs(n=300)
+    cfg = LabelDPProConfig(epochs=3, batch_size=100, lr=0.5, proj_images=16, delta=1e-5)
+    run = LabelDPProRun(x, cp.PrivateLabels(y, 4), 0.5, cfg, seed=0, noise_key=NoiseKey.reproducible(0))
+    sens = math.sqrt(2 * 3) * cfg.clip
+    assert gaussian_delta(run.sigma, 0.5, sens) <= 1e-5 < gaussian_delta(run.sigma * 0.99, 0.5, sens)
+    assert run.ledger.epsilon() == pytest.approx(0.5, rel=1e-6) and run.ledger.delta() == 1e-5
+    assert run.ledger.guarantee() == "approximate"
+    assert gaussian_epsilon(run.sigma, 1e-5, sens) == pytest.approx(0.5, rel=1e-6)
+    for _ in range(3):
+        run.train_epoch()
+    with pytest.raises(ValueError, match="epochs"):
+        run.train_epoch()                                    # no pass beyond those charged
+
+
+def test_projection_keeps_the_true_gradient_when_spanned_by_the_batch():
+    """The span of the batch's per-label gradients contains the batch's true gradient (autograd),
+    so projecting it changes nothing; a random matrix loses its part outside the span and column sums."""
+    x, y = _blobs(n=50, d=12)
+    xh = _xhat(x, 1.0)
+    w = torch.randn(4, xh.shape[1], dtype=torch.float64, requires_grad=True)
+    loss = torch.nn.functional.cross_entropy(xh @ w.T, y, reduction="sum")
+    (g,) = torch.autograd.grad(loss, w)
+    sub = xh[:8]
+    sub_loss = torch.nn.functional.cross_entropy(sub @ w.T, y[:8], reduction="sum")
+    (g_sub,) = torch.autograd.grad(sub_loss, w)
+    assert torch.allclose(project_linear_span(g_sub, sub), g_sub, atol=1e-10)
+    r = torch.randn(4, xh.shape[1], dtype=torch.float64)
+    pr = project_linear_span(r, sub)
+    assert torch.allclose(pr.sum(0), torch.zeros(xh.shape[1], dtype=torch.float64), atol=1e-10)
+    assert pr.norm() < r.norm()
+    assert torch.allclose(project_linear_span(pr, sub), pr, atol=1e-10)       # a projection
+    assert not torch.allclose(project_linear_span(g, sub), g, atol=1e-6)        # the full gradient is not in it
+
+
+# --------------------------------------------------------------------------- trial keys and the spec
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"mechanism": "lp2st", "n_clusters": 50}, "n_clusters: applies to mechanism cluster_rr only"),
+    ({"mechanism": "cluster_rr", "pro_lr": 0.1}, "pro_lr: applies to mechanism labeldp_pro only"),
+    ({"mechanism": "cluster_rr", "epsilon": None}, "epsilon: mechanism cluster_rr needs a finite epsilon"),
+    ({"mechanism": "labeldp_pro", "task": "regression"}, "task: mechanism labeldp_pro applies to task 'classification'"),
+    ({"mechanism": "cluster_rr", "rr_stages": 2}, "rr_stages: must be 1 when hist_share is 1"),
+    ({"mechanism": "cluster_rr", "hist_share": 0.0}, "hist_share"),
+    ({"mechanism": "cluster_rr", "train_size": 100, "n_clusters": 200}, "n_clusters: must be <= train_size"),
+])
+def test_trial_keys_refuse_bad_input_in_one_line(extra, message):
+    from trainables.label_dp import LabelDPTrialConfig
+    from trainables.runtime import validate_config
+
+    with pytest.raises(ValueError, match=message) as exc:
+        validate_config({"dataset": "mnist", **extra}, LabelDPTrialConfig)
+    assert "\n" not in str(exc.value)
+
+
+def test_shipped_spec_at_a_set_subset_builds_and_trains_each_method():
+    from sweeps.spec import expand_trials, load_spec
+    from trainables.label_dp import LabelDPMechanism, LabelDPTrialConfig, final_metrics
+    from trainables.runtime import validate_config
+
+    spec = load_spec(ROOT / "sweeps" / "label_dp_mnist_high_privacy.yaml",
+                     ["common.train_size=64", "common.test_size=32", "common.epochs=2",
+                      "trainables.0.search.n_clusters=5", "trainables.1.search.pro_batch_size=32"])
+    trials = expand_trials(spec)
+    assert len(trials) == 36
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(64, 1, 28, 28, generator=g) * 2 - 1
+    y = torch.arange(64) % 10
+    for mech in ("cluster_rr", "labeldp_pro"):
+        t = next(t for t in trials if t["mechanism"] == mech and t["epsilon"] == 0.5)
+        cfg = validate_config({k: v for k, v in t.items() if k != "trainable"}, LabelDPTrialConfig)
+        m = LabelDPMechanism(cfg, x, y, torch.device("cpu"), noise_key=NoiseKey.reproducible(0))
+        for _ in range(cfg.epochs):
+            m.train_epoch()
+        acc = m.test_accuracy(x[:32], y[:32])
+        assert 0.0 <= acc <= 1.0
+        p = m.privacy()
+        assert p["epsilon"] == pytest.approx(0.5, rel=1e-6)
+        assert p["delta"] == (0.0 if mech == "cluster_rr" else 1e-5)
+        assert (("label_keep_rate" in p) == (mech == "cluster_rr")
+                == ("label_keep_rate" in final_metrics(t, {"label_keep_rate", "acc_clean"})))
+        state = m.state_dict()
+        m2 = LabelDPMechanism(cfg, x, y, torch.device("cpu"), noise_key=NoiseKey.reproducible(0))
+        m2.load_state_dict(state)
+        assert m2.test_accuracy(x[:32], y[:32]) == acc
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def test_benchmark_writes_the_issue_layout_and_resumes(tmp_path, capsys):
+    from benchmarks import labeldp_high_privacy as bench
+
+    out = tmp_path / "hp.json"
+    bench.main(["--out", str(out), "--epsilons", "0.5", "--seeds", "0", "--train-size", "600", "--test-size", "200",
+                "--methods", "cluster_rr", "labeldp_pro"])
+    res = json.loads(out.read_text())
+    for m in ("cluster_rr", "labeldp_pro"):
+        s = res[m]["eps_0.5"]
+        assert set(s) >= {"mean", "std", "seeds"} and len(s["seeds"]) == 1 and 0 <= s["mean"] <= 1
+    assert res["runs"]["cluster_rr/eps_0.5/seed0"]["delta"] == 0.0
+    assert res["runs"]["labeldp_pro/eps_0.5/seed0"]["guarantee"] == "approximate"
+    assert {"device", "versions", "date"} <= set(res)
+    capsys.readouterr()
+    bench.main(["--out", str(out), "--epsilons", "0.5", "--seeds", "0", "--train-size", "600", "--test-size", "200"])
+    assert "2 units done, 0 to run" in capsys.readouterr().out
+    doc = tmp_path / "label_dp.md"
+    doc.write_text("x\n<!-- labeldp-high-privacy:begin -->\nold\n<!-- labeldp-high-privacy:end -->\n")
+    bench.main(["--out", str(out), "--docs", "--doc", str(doc)])
+    text = doc.read_text()
+    assert "old" not in text and "LabelDP-Pro (published, Table 5a)" in text and "n = 1" in text
+
+
+def test_benchmark_refuses_an_epsilon_without_chosen_hyperparameters(tmp_path, capsys):
+    from benchmarks import labeldp_high_privacy as bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--out", str(tmp_path / "x.json"), "--epsilons", "0.3"])
+    assert exc.value.code == 2 and not (tmp_path / "x.json").exists()
+    assert "--epsilons: 0.3" in capsys.readouterr().err
