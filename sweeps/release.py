@@ -8,7 +8,7 @@ unobserved. The bundle holds that and nothing else:
 * ``hyperparameters.json``: its configuration, without seeds;
 * ``guarantee.json``: the end-to-end (epsilon, delta), what it protects and the accounting that
   produced it (the tuning distribution, the worst per-candidate epsilon, the accountant), and the
-  released candidate's selection score;
+  released candidate's selection score (and, with a selection split, its held-out score);
 * ``THREAT_MODEL.md``: who must not learn what, in one paragraph;
 * ``MANIFEST.json``: each file with its SHA-256, and what was left out on purpose (K, the other
   candidates, the non-private diagnostics, the seeds, the sweep's secret, the checkpoints).
@@ -170,7 +170,10 @@ def make_release(experiment: str, out: str | Path, tracking_uri: str, run_id: st
                 **({"target_epsilon": tp["target_epsilon"]} if tp.get("target_epsilon") is not None else {}),
             },
             "selection": {"metric": metric, "mode": (spec.get("search") or {}).get("mode"),
-                          "score": child.data.metrics.get(metric) if metric else None},
+                          "score": child.data.metrics.get(metric) if metric else None,
+                          # a selection split: the score on test images the selection never read (issue 34.2)
+                          **({"held_out_score": child.data.metrics[f"heldout_{metric}"]}
+                             if metric and f"heldout_{metric}" in child.data.metrics else {})},
         }
         (tmp / "guarantee.json").write_text(json.dumps(guarantee, indent=2) + "\n")
         (tmp / "THREAT_MODEL.md").write_text("# Threat model\n\n" + THREAT_MODEL.format(protects=guarantee["protects"]))

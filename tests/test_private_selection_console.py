@@ -106,3 +106,13 @@ def test_trials_csv_drops_the_flat_audit_defaults_beside_the_mapping():
     assert "param.audit_canaries" not in every and "param.audit_beta" not in every and "param.epsilon" in every
     flat = mixed.assign(**{"param.audit": [None, None]})
     assert without_shadowed_audit_keys(flat).equals(flat)    # the flat keys ran: kept (negative control)
+
+
+def test_progress_lines_call_a_candidate_a_candidate():
+    from sweeps.runner import _describe
+
+    trial = {"trial": {"trainable": "dpsgd", "lr": 0.5, "repeat": 1, "epsilon": 2.0, "seed": 3}}
+    swept = {"swept": {"dpsgd": ["lr", "repeat"]}}
+    assert "candidate=1" in _describe({**trial, "_mlflow": {**swept, "candidates": True}})
+    plain = _describe({**trial, "_mlflow": swept})             # a plain sweep's repeat stays a repeat
+    assert "repeat=1" in plain and "candidate" not in plain
