@@ -201,7 +201,7 @@ def test_projection_keeps_the_true_gradient_when_spanned_by_the_batch():
     """The span of the batch's per-label gradients contains the batch's true gradient (autograd),
     so projecting it changes nothing; a random matrix loses its part outside the span and column sums."""
     x, y = _blobs(n=50, d=12)
-    xh = _xhat(x, 1.0)
+    xh = _xhat(x, 1.0).double()
     w = torch.randn(4, xh.shape[1], dtype=torch.float64, requires_grad=True)
     loss = torch.nn.functional.cross_entropy(xh @ w.T, y, reduction="sum")
     (g,) = torch.autograd.grad(loss, w)
@@ -245,7 +245,8 @@ def test_shipped_spec_at_a_set_subset_builds_and_trains_each_method():
 
     spec = load_spec(ROOT / "sweeps" / "label_dp_mnist_high_privacy.yaml",
                      ["common.train_size=64", "common.test_size=32", "common.epochs=2",
-                      "trainables.0.search.n_clusters=5", "trainables.1.search.pro_batch_size=32"])
+                      "trainables.0.search.n_clusters=5", "trainables.1.search.n_clusters=5",
+                      "trainables.2.search.n_clusters=5", "trainables.3.search.pro_batch_size=32"])
     trials = expand_trials(spec)
     assert len(trials) == 36
     g = torch.Generator().manual_seed(0)

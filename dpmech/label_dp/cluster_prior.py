@@ -226,6 +226,12 @@ def pca_project(x: torch.Tensor, dim: int, *, fit_rows: int = 10000, seed: int =
     if x.shape[0] > fit_rows:
         fit = x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(int(seed)))[:fit_rows]]
     fc = (fit - mu).float()
+    if fc.shape[0] < fc.shape[1]:            # fewer images than features: the SVD of the images is cheaper
+        _, _, vh = torch.linalg.svd(fc.double(), full_matrices=False)
+        top = vh[:dim].T.float()
+        if top.shape[1] < dim:
+            top = torch.cat([top, torch.zeros(top.shape[0], dim - top.shape[1])], 1)
+        return (x - mu).float() @ top
     cov = (fc.T @ fc).double() / max(1, fit.shape[0] - 1)
     _, vecs = torch.linalg.eigh(cov)
     return (x - mu).float() @ vecs[:, -dim:].flip(1).float()
