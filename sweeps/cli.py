@@ -427,6 +427,19 @@ def _unfinished(results, total: int | None, *, interrupted: bool = False, early_
     return len(trials) - done - closed + max(0, (total or 0) - len(trials)), done
 
 
+def _trial_errors(results) -> dict[str, str]:
+    """Ray trial id -> the last line of the error Ray recorded for each errored trial."""
+    out = {}
+    for t in getattr(getattr(results, "_experiment_analysis", None), "trials", []) or []:
+        try:
+            if t.status == "ERROR" and t.error_file:
+                lines = [x for x in Path(t.error_file).read_text(errors="replace").splitlines() if x.strip()]
+                out[t.trial_id] = lines[-1][:1000] if lines else "error"
+        except Exception:  # noqa: BLE001 - a tag's text only
+            continue
+    return out
+
+
 def _finished_in_mlflow(info: dict) -> set[str]:
     """The trial ids whose child run under the parent is FINISHED (empty if MLflow cannot say)."""
     from sweeps.tracking import child_statuses
@@ -568,7 +581,7 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     except Exception as exc:  # noqa: BLE001 - the trials' results are safe in MLflow; say what is missing
         best = None
         _err(f"could not tag the best trial and the compare view on the parent run: {exc}")
-    finish_parent_run(info, summary, "FAILED" if failed else "FINISHED")
+    finish_parent_run(info, summary, "FAILED" if failed else "FINISHED", _trial_errors(results))
     print()
     print(format_table(label_candidates(rows, spec)))
     if any(r.get("!") for r in rows):

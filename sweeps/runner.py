@@ -95,7 +95,9 @@ def _killed_for_memory(trial) -> bool:
     """Whether the trial's last error was a memory kill (Tune writes it to the trial's error file)."""
     try:
         path = trial.error_file
-        return bool(path) and KilledForMemory.__name__ in Path(path).read_text(errors="replace")
+        text = Path(path).read_text(errors="replace") if path else ""
+        # ours (Ray's OutOfMemoryError raised to the actor manager) or Ray's own, wrapped in a task error
+        return any(m in text for m in (KilledForMemory.__name__, "OutOfMemoryError", "running low on memory"))
     except Exception:  # noqa: BLE001 - only a console line depends on it
         return False
 

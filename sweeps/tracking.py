@@ -281,17 +281,32 @@ def child_statuses(info: dict) -> dict[str, str]:
     return {r.data.tags[TAG_TRIAL]: r.info.status for r in runs if TAG_TRIAL in r.data.tags}
 
 
-def finish_parent_run(info: dict, summary: dict[str, float], status: str) -> None:
+def finish_parent_run(info: dict, summary: dict[str, float], status: str,
+                      errors: dict[str, str] | None = None) -> None:
+    """Log the sweep's summary and close its parent run ``status``. A child run still RUNNING at the
+    end belongs to a trial whose process died without closing it (killed by Ray's memory monitor or
+    the OOM killer, a lost node): it is set FAILED, with Ray's error for that trial (``errors``, by
+    Ray trial id) as its ``dpsweep.error`` tag (issue 33, point 3)."""
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
     import time
 
+    from trainables.tracking import TAG_PARENT, TAG_TRIAL
+
     client = MlflowClient(info["tracking_uri"])
+    parent = info["parent_run_id"]
+    running = retry(lambda: client.search_runs(
+        [str(info["experiment_id"])], filter_string=f"tags.`{TAG_PARENT}` = '{parent}' and attributes.status = 'RUNNING'",
+        max_results=10000), what="search_runs(running children)")
+    for run in running:
+        why = (errors or {}).get(run.data.tags.get(TAG_TRIAL, ""), "the trial's process ended without closing its run")
+        retry(lambda: client.set_tag(run.info.run_id, "dpsweep.error", why[:5000]), what="set_tag(child error)")
+        retry(lambda: client.set_terminated(run.info.run_id, status="FAILED"), what="set_terminated(child)")
     ts = int(time.time() * 1000)
     metrics = [Metric(k, float(v), ts, 0) for k, v in summary.items()]
     if metrics:
-        retry(lambda: client.log_batch(info["parent_run_id"], metrics=metrics), what="log_batch(summary)")
-    retry(lambda: client.set_terminated(info["parent_run_id"], status=status), what="set_terminated")
+        retry(lambda: client.log_batch(parent, metrics=metrics), what="log_batch(summary)")
+    retry(lambda: client.set_terminated(parent, status=status), what="set_terminated")
 
 
 SELECTION_NOT_COVERED = ("not covered: choosing among the trials ({best}) is not covered by any privacy "
