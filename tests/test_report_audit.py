@@ -20,6 +20,6 @@ def test_audit_table_says_each_bound_is_at_its_own_trials_level():
     ])
     text = "\n".join(_privacy_section(_sweep(trials)))
     assert "### Empirical privacy audits" in text
-    assert "not corrected for the 2 trial(s)" in text and "0.05 / k" in text
+    assert "not corrected for the 2 trials audited here" in text and "0.05 / k" in text
     # the inconsistent trial is flagged, the consistent one is not
     assert text.count("**NO**") == 1
