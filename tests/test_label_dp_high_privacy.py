@@ -278,17 +278,17 @@ def test_benchmark_writes_the_issue_layout_and_resumes(tmp_path, capsys):
     from benchmarks import labeldp_high_privacy as bench
 
     out = tmp_path / "hp.json"
-    bench.main(["--out", str(out), "--epsilons", "0.5", "--seeds", "0", "--train-size", "600", "--test-size", "200",
+    bench.main(["--out", str(out), "--epsilons", "0.1", "--seeds", "0", "--train-size", "600", "--test-size", "200",
                 "--methods", "cluster_rr", "labeldp_pro"])
     res = json.loads(out.read_text())
     for m in ("cluster_rr", "labeldp_pro"):
-        s = res[m]["eps_0.5"]
+        s = res[m]["eps_0.1"]
         assert set(s) >= {"mean", "std", "seeds"} and len(s["seeds"]) == 1 and 0 <= s["mean"] <= 1
-    assert res["runs"]["cluster_rr/eps_0.5/seed0"]["delta"] == 0.0
-    assert res["runs"]["labeldp_pro/eps_0.5/seed0"]["guarantee"] == "approximate"
+    assert res["runs"]["cluster_rr/eps_0.1/seed0"]["delta"] == 0.0
+    assert res["runs"]["labeldp_pro/eps_0.1/seed0"]["guarantee"] == "approximate"
     assert {"device", "versions", "date"} <= set(res)
     capsys.readouterr()
-    bench.main(["--out", str(out), "--epsilons", "0.5", "--seeds", "0", "--train-size", "600", "--test-size", "200"])
+    bench.main(["--out", str(out), "--epsilons", "0.1", "--seeds", "0", "--train-size", "600", "--test-size", "200"])
     assert "2 units done, 0 to run" in capsys.readouterr().out
     doc = tmp_path / "label_dp.md"
     doc.write_text("x\n<!-- labeldp-high-privacy:begin -->\nold\n<!-- labeldp-high-privacy:end -->\n")

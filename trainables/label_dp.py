@@ -212,9 +212,11 @@ TRAINABLES = (
         "Label DP (source: Laplace on MNIST labels): training labels released once per trial with the Laplace "
         "mechanism (one-hot + Lap(2/eps) -> argmax, or the digit + Lap(9/eps)), K-ary randomized response, or "
         "randomized response with a prior (LP-1ST / LP-2ST, Ghazi et al. 2021), a fresh CNN trained on them "
-        "(the source's Adam recipe or mixup + SGD); classification or regression; epsilon protects labels only "
-        "(docs/label_dp.md).",
-        epsilon_protects="training labels only (label DP, delta 0); the images are not protected",
+        "(the source's Adam recipe or mixup + SGD); classification or regression; at high privacy cluster_rr "
+        "(image-only cluster prior + noisy histograms + RR-with-prior, pure) and the LabelDP-Pro baseline "
+        "(approximate); epsilon protects labels only (docs/label_dp.md).",
+        epsilon_protects="training labels only (label DP, delta 0; labeldp_pro: delta label_delta); the images are "
+                         "not protected",
         metrics=("label_keep_rate", "analytic_keep_prob", "label_epsilon"),
         final_metrics="trainables.label_dp:final_metrics"),
 )
