@@ -554,6 +554,26 @@ def probe_ray(address: str, timeout: float = PROBE_SECONDS, current_file: str = 
                              "local Ray") from None
 
 
+def protect_ray_token(home: Path | None = None) -> list[str]:
+    """Make Ray's token (``~/.ray/auth_token``, written 0644 by Ray 2.60) readable by its owner only,
+    and its folder 0700 (issue 33, point 10): Ray's local processes listen on every interface and the
+    token is all that guards them, so another user of the machine must not read it. Best effort
+    (only files this user owns); returns the paths changed."""
+    import stat
+
+    folder = (home or Path.home()) / ".ray"
+    changed = []
+    for path, mode in ((folder, 0o700), (folder / "auth_token", 0o600)):
+        try:
+            st = path.stat()
+            if st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077:
+                path.chmod(mode)
+                changed.append(str(path))
+        except OSError:
+            continue
+    return changed
+
+
 def ray_init(spec=None) -> str:
     """Start a private local Ray, or join the cluster ``RAY_ADDRESS`` names; a spec's own model/dataset
     modules travel to the workers (sweeps.user_modules). Returns a line saying where the sweep runs.
@@ -576,6 +596,7 @@ def ray_init(spec=None) -> str:
                   **({"runtime_env": env} if env else {}))
     if not address or address.lower() == "local":
         ray.init(address="local", **common)
+        protect_ray_token()
         cpus = ray.cluster_resources().get("CPU", 0)
         return f"Ray: a private local instance ({cpus:g} CPUs; set RAY_ADDRESS to run on a cluster)"
     target = probe_ray(address)

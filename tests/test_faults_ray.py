@@ -120,3 +120,21 @@ def test_a_sweep_does_not_join_someone_elses_local_ray(foreign_ray, monkeypatch)
         assert ours != foreign_ray                        # joined before the fix ("Connecting to latest cluster")
     finally:
         ray.shutdown()
+
+
+def test_ray_token_is_made_owner_only(tmp_path):
+    """Issue 33, point 10: Ray's local processes listen on every interface (Ray 2.60 binds '*'
+    whatever the node address; docs/cluster.md), so the token guarding them is made 0600."""
+    import stat
+
+    from sweeps.runner import protect_ray_token
+
+    folder = tmp_path / ".ray"
+    folder.mkdir(mode=0o755)
+    (folder / "auth_token").write_text("t" * 64)
+    (folder / "auth_token").chmod(0o644)
+    assert sorted(protect_ray_token(tmp_path)) == [str(folder), str(folder / "auth_token")]
+    assert stat.S_IMODE((folder / "auth_token").stat().st_mode) == 0o600
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert protect_ray_token(tmp_path) == []                 # already private: nothing to change
+    assert protect_ray_token(tmp_path / "nobody") == []      # no token: nothing, no error
