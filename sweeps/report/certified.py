@@ -276,7 +276,10 @@ def draw_radius_figure(curves: list[RadiusCurve], path: Path, *, anchors=(), not
     ax.set_xlim(0.0, float(max(c.radii01[-1] for c in curves)))
     fit_ylim(ax)
     ax.grid(alpha=0.3)
-    ax.set_title("\n".join(t for t in (title, note) if t), fontsize=8)
+    import textwrap
+
+    # wrapped to the figure's width: a note naming N and images per family runs long
+    ax.set_title("\n".join(textwrap.fill(t, 110) for t in (title, note) if t), fontsize=8)
     ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1, title=None if show_all else
               "thin: each configuration (table below)", title_fontsize=6)
     _save(fig, ax, path)
