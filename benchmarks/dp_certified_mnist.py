@@ -84,6 +84,26 @@ DEFAULT_METHODS = ("gaussian", "dpcert", "consistency")
 CONFIG_KEYS = ("augment_multiplicity", "consistency_weight", "consistency_eta", "smoothadv_radius", "smoothadv_steps",
                "epochs", "lr", "batch_size", "max_grad_norm")    # of a unit's config, shown beside each figure
 
+# The other mechanisms on the same chart (issue 36, item 3): trained by their own dpmech trainers at the
+# settings of the epsilon row they sit in (data, epochs, batch, lr, momentum, C, delta), certified by the same
+# CERTIFY on the same images, each smoothed with the Gaussian input noise it trains with (sigma_[-1,1] =
+# 2 sigma_01, as the DP-SGD units). Each keeps its own rows in the summary and the docs table (never the
+# DP-SGD envelope of eps_3 / eps_1 / non_private) and says what its epsilon protects (docs/dp_certified.md).
+ROBUST_EPS, ROBUST_DELTA = 1.0, 0.05      # the noise layer's PixelDP (eps_r, delta_r): the papers' MNIST values
+DPAL_SOUND = dict(xi=1.0, mu_max=0.3, attacks=("fgsm", "pgd"), attack_steps=3)   # docs/dpal_sound.md defaults
+MECHANISMS = {
+    "dpal_sound": dict(rows=("eps_3", "eps_1"), trainable="dpal_sound", short="training examples (DP-SGD ledger)",
+                       protects="training examples (DP-SGD on DPAL's adversarial objective; its ledger, delta 1e-5)"),
+    "secure_sgd": dict(rows=("eps_3", "eps_1"), trainable="secure_sgd",
+                       short="training examples (DP-SGD ledger; the noise layer's eps_r 1 protects none)",
+                       protects="training examples (its DP-SGD ledger, delta 1e-5); the noise layer's eps_r 1 "
+                                "(delta_r 0.05) is a robustness parameter and protects no training data"),
+    "pixeldp": dict(rows=("non_private",), trainable="pixeldp",
+                    short="no training data (a robustness parameter; trained without DP)",
+                    protects="nothing: trained without DP; its epsilon (1, delta 0.05) is a robustness parameter of "
+                             "the noise layer and protects no training data"),
+}
+
 # issue 36's anchors (MNIST, l2, [0, 1] domain) and targets
 ANCHORS = {
     "cohen_gaussian_non_private": {"0.5": 96.9, "1.0": 89.8, "1.5": 67.8, "2.0": 32.5,
@@ -112,6 +132,9 @@ def unit_stem(method: str, eps_row: str, sigma01: float, seed: int, split: str, 
 TRAINING_KEYS = ("method", "epsilon_row", "seed", "split", "sigma_01", "sigma_pm1", "config", "train_images",
                  "epsilon", "epsilon_pld", "delta", "noise_multiplier", "steps", "epoch_seconds", "threads",
                  "acc_clean", "epsilon_delta_1e-6")
+MECH_CONFIG_KEYS = ("smoothing_sigma", "xi", "mu_max", "attack_bound", "robustness_epsilon", "robustness_delta",
+                    "noise_after", "optimizer")    # the other mechanisms' keys shown beside their figures
+MECHANISM_KEYS = ("mechanism", "epsilon_protects", "sigma_pm1_certified", "robustness")   # other mechanisms' records
 
 
 def cert_subset(total: int, size: int, seed: int = CERT_SEED) -> np.ndarray:
@@ -160,16 +183,18 @@ def plain_inference_img_s(model, x: torch.Tensor, batch: int = 4096) -> float:
     return best
 
 
-def certify_model(model, sigma01: float, x, y, n: int, seed: int, n0: int = N0, batch: int = 4096) -> dict:
-    """CERTIFY (n0, N = ``n``, alpha = 0.001) of the smoothed classifier at sigma_[-1,1] = 2 sigma_01;
-    certified accuracy at the [0, 1] radii (and the same radii doubled, [-1, 1]), cost."""
+def certify_model(model, sigma01: float, x, y, n: int, seed: int, n0: int = N0, batch: int = 4096,
+                  sigma_pm1: float | None = None) -> dict:
+    """CERTIFY (n0, N = ``n``, alpha = 0.001) of the smoothed classifier at sigma_[-1,1] = 2 sigma_01
+    (or ``sigma_pm1``: a noise layer's own std); certified accuracy at the [0, 1] radii (and the same
+    radii doubled, [-1, 1]), cost."""
     from dpmech.dpsgd.trainer import stream_seed
     from dpmech.robustness import smoothing
 
     model.eval()
     gen = torch.Generator().manual_seed(stream_seed(seed, 136))
     t0 = time.perf_counter()
-    res = smoothing.certify(model, 2.0 * sigma01, x, y.numpy(), n0=n0, n=n, alpha=ALPHA, generator=gen,
+    res = smoothing.certify(model, 2.0 * sigma01 if sigma_pm1 is None else sigma_pm1, x, y.numpy(), n0=n0, n=n, alpha=ALPHA, generator=gen,
                             batch_size=batch)
     seconds = time.perf_counter() - t0
     acc = smoothing.certified_accuracy(res, [2.0 * r for r in CURVE_RADII_01])
@@ -194,6 +219,10 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
     from dpmech.dpsgd.certified import DPCertTrainer
     from dpmech.dpsgd.trainer import build_dpsgd_model
 
+    if method in MECHANISMS:
+        return run_mechanism_unit(method, eps_row, sigma01, seed, split=split, n=n, cert_images=cert_images,
+                                  train_size=train_size, epochs=epochs, n0=n0, ckpt=ckpt, device=device,
+                                  batch_size=batch_size, models=models)
     x, y, xt, yt, xc, yc, cert_idx = load_data(split, train_size, cert_images)
     over = {k: v for k, v in (("epochs", epochs), ("batch_size", batch_size)) if v}
     cfg, recipe = make_config(eps_row, method, sigma01, seed, over)
@@ -262,14 +291,202 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
     return out
 
 
+# ------------------------------------------------------------------ the other mechanisms
+def attack_bound_for(method: str, sigma_pm1: float) -> float:
+    """The construction bound L that makes the noise layer's std ``sigma_pm1`` at (eps_r 1, delta_r 0.05):
+    PixelDP's calibration (Lecuyer et al. 2018, Sec. 3.2: sigma = sqrt(2 ln(1.25/delta)) L / eps for eps <= 1)
+    or SecureSGD's HGM (Phan et al. 2019, Theorem 1); both are linear in L."""
+    if method == "pixeldp":
+        from dpmech.robustness.noise_layer import pixeldp_noise_scale
+
+        return sigma_pm1 / pixeldp_noise_scale(ROBUST_EPS, ROBUST_DELTA, 1.0, 1.0, "l2")
+    from dpmech.secure_sgd.hgm import mechanism_sigma
+
+    return sigma_pm1 / mechanism_sigma("hgm", ROBUST_EPS, ROBUST_DELTA, 1.0)
+
+
+def make_mechanism_config(eps_row: str, method: str, sigma01: float, seed: int, recipe_overrides: dict | None = None):
+    """The dpmech configuration of another mechanism's unit at its row's recipe (``RECIPES``):
+
+    * ``dpal_sound``: DPALSoundConfig with the row's DP-SGD recipe on the same ``tb_cnn``, its input noise
+      ``smoothing_sigma`` = 2 sigma_01, DPAL's Eq. 10 with xi 1 and its default FGSM / 3-step PGD ensemble;
+    * ``secure_sgd``: SecureSGDConfig (HGM) with the row's DP-SGD recipe (Opacus ghost clipping, the
+      trainable's default) on the PixelDP MNIST CNN, noise layer on the input (``noise_after`` 0, r = 1)
+      whose std is 2 sigma_01 (L from ``attack_bound_for``);
+    * ``pixeldp``: PixelDPConfig, noise on the input of std 2 sigma_01, trained without DP with the
+      non-private row's optimizer (SGD, lr 0.05, momentum 0.9, batch 512, 15 epochs)."""
+    recipe = dict(RECIPES[eps_row], **(recipe_overrides or {}))
+    s = 2.0 * sigma01
+    if method == "dpal_sound":
+        from dpmech.dpal_sound.trainer import DPALSoundConfig
+
+        keys = ("epsilon", "delta", "max_grad_norm", "batch_size", "epochs", "lr", "optimizer", "momentum")
+        return DPALSoundConfig(**{k: recipe[k] for k in keys}, clipping="bk", smoothing_sigma=s, seed=seed,
+                               **DPAL_SOUND), recipe
+    if method == "secure_sgd":
+        from dpmech.secure_sgd.trainer import SecureSGDConfig
+
+        keys = ("epsilon", "delta", "max_grad_norm", "batch_size", "epochs", "lr", "optimizer", "momentum")
+        return SecureSGDConfig(dataset="mnist", mechanism="hgm", **{k: recipe[k] for k in keys}, clipping="ghost",
+                               robustness_epsilon=ROBUST_EPS, robustness_delta=ROBUST_DELTA,
+                               attack_bound=attack_bound_for(method, s), noise_after=0, seed=seed), recipe
+    if method == "pixeldp":
+        from dpmech.pixeldp.trainer import PixelDPConfig
+
+        return PixelDPConfig(dataset="mnist", epsilon=ROBUST_EPS, delta=ROBUST_DELTA,
+                             attack_bound=attack_bound_for(method, s), norm="l2", noise_after=0,
+                             epochs=recipe["epochs"], batch_size=recipe["batch_size"], lr=recipe["lr"],
+                             optimizer=recipe["optimizer"], momentum=recipe["momentum"], seed=seed), recipe
+    raise ValueError(f"method: {method!r} is not one of {sorted(MECHANISMS)}")
+
+
+def mechanism_model(method: str, cfg, seed: int):
+    """A fresh network of the unit (to load trained weights into)."""
+    if method == "dpal_sound":
+        from dpmech.dpsgd.trainer import build_dpsgd_model
+
+        return build_dpsgd_model("mnist", seed, "tb_cnn")
+    if method == "secure_sgd":
+        from dpmech.secure_sgd.trainer import build_secure_sgd_model
+
+        return build_secure_sgd_model("mnist", mechanism=cfg.mechanism, epsilon=cfg.robustness_epsilon,
+                                      delta=cfg.robustness_delta, attack_bound=cfg.attack_bound,
+                                      noise_after=cfg.noise_after, seed=cfg.seed + 1)
+    from dpmech.pixeldp.trainer import pixeldp_network
+
+    return pixeldp_network("mnist", cfg.noise_scale, norm=cfg.norm, noise_after=cfg.noise_after, seed=cfg.seed + 1)
+
+
+def smoothing_base(method: str, model, cfg) -> tuple:
+    """(base classifier, sigma_[-1,1]) of randomized smoothing: the noise the model trains with is
+    Gaussian on its input, so the model's own random forward pass is the base classifier under that
+    noise (Cohen et al. 2019, Thm. 1 holds for any base classifier): dpal_sound's network with
+    ``smoothing_sigma``; a PixelDP / SecureSGD network with ``noise_after`` 0 without its noise layer
+    (``post_noise(pre_noise(x))``, pre_noise the identity) with the layer's own std."""
+    if method == "dpal_sound":
+        return model, float(cfg.smoothing_sigma)
+    from dpmech.secure_sgd.trainer import NoiseFree
+
+    if model.noise_after != 0 or not model.has_noise:
+        raise ValueError("noise_after must be 0 for randomized smoothing with the model's own noise")
+    return NoiseFree(model), float(model.noise.scale)
+
+
+def base_accuracy(base, x: torch.Tensor, y: torch.Tensor, batch: int = 2000) -> float:
+    """Accuracy (%) of the base classifier on clean inputs (no noise), as ``acc_clean`` of the DP-SGD units."""
+    base.eval()
+    with torch.no_grad():
+        ok = sum(int((base(x[s:s + batch]).argmax(1) == y[s:s + batch]).sum()) for s in range(0, x.shape[0], batch))
+    return 100.0 * ok / x.shape[0]
+
+
+def run_mechanism_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str = "test",
+                       n: int = 100_000, cert_images: int = 500, train_size: int | None = None,
+                       epochs: int | None = None, n0: int = N0, ckpt: Path | None = None,
+                       device=torch.device("cpu"), batch_size: int | None = None, models: Path | None = None) -> dict:
+    """``run_unit`` for ``dpal_sound``, ``secure_sgd`` and ``pixeldp`` (``MECHANISMS``): the same data,
+    certified subset, CERTIFY, unit file, per-epoch checkpoint and model reuse as the DP-SGD units."""
+    import json
+
+    x, y, xt, yt, xc, yc, cert_idx = load_data(split, train_size, cert_images)
+    over = {k: v for k, v in (("epochs", epochs), ("batch_size", batch_size)) if v}
+    cfg, recipe = make_mechanism_config(eps_row, method, sigma01, seed, over)
+    cfg_json = json.loads(json.dumps(cfg.to_dict()))
+    label = f"{method} {eps_row} sigma01 {sigma01} seed {seed}"
+    name = unit_stem(method, eps_row, sigma01, seed, split, None)
+    head = {"unit": unit_stem(method, eps_row, sigma01, seed, split, n), "cert_index": [int(i) for i in cert_idx]}
+    if models is not None and (models / f"{name}.pt").exists() and (models / f"{name}.json").exists():
+        record = json.loads((models / f"{name}.json").read_text())
+        if record["config"] != cfg_json:
+            raise SystemExit(f"{models / name}.json: trained with another configuration; not reused")
+        model = mechanism_model(method, cfg, seed)
+        model.load_state_dict(torch.load(models / f"{name}.pt", weights_only=True))
+        base, sigma_pm1 = smoothing_base(method, model.eval(), cfg)
+        log(f"[{label}] the trained model {name} reused (no training)")
+        out = {**head, **record, "model": name, "plain_inference_img_s": plain_inference_img_s(base, xt)}
+        out.update(certify_model(base, sigma01, xc, yc, n, seed, n0=n0, sigma_pm1=sigma_pm1))
+        return out
+    if method == "dpal_sound":
+        from dpmech.dpal_sound.trainer import DPALSoundTrainer
+
+        trainer = DPALSoundTrainer(mechanism_model(method, cfg, seed), x, y, cfg, device=device)
+    elif method == "secure_sgd":
+        from dpmech.secure_sgd.trainer import SecureSGDTrainer
+
+        trainer = SecureSGDTrainer(cfg, x, y, device=device)
+    else:
+        from dpmech.pixeldp.trainer import PixelDPTrainer
+
+        trainer = PixelDPTrainer(cfg, x, y, device=device)
+    epoch_seconds = []
+    if ckpt is not None and ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)      # our own file (generator states, ledger)
+        trainer.load_state_dict(saved["trainer"])
+        epoch_seconds = saved["epoch_seconds"]
+        log(f"[{label}] resumed at epoch {trainer.epoch}")
+    log(f"[{label}] {cfg.epochs} epochs, {x.shape[0]} images")
+    while trainer.epoch < cfg.epochs:
+        t0 = time.perf_counter()
+        stats = trainer.train_epoch()
+        epoch_seconds.append(time.perf_counter() - t0)
+        log(f"[{label}] epoch {trainer.epoch}/{cfg.epochs} loss {stats['train_loss']:.4f} "
+            f"train_acc {stats['train_acc']:.4f} ({epoch_seconds[-1]:.0f}s)")
+        if ckpt is not None:
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"trainer": trainer.state_dict(), "epoch_seconds": epoch_seconds}, ckpt.with_suffix(".tmp"))
+            ckpt.with_suffix(".tmp").replace(ckpt)
+    model = trainer.model.eval()
+    base, sigma_pm1 = smoothing_base(method, model, cfg)
+    out = {**head, "method": method, "mechanism": MECHANISMS[method]["trainable"], "epsilon_row": eps_row,
+           "seed": seed, "split": split, "sigma_01": sigma01, "sigma_pm1": 2.0 * sigma01,
+           "sigma_pm1_certified": sigma_pm1, "config": cfg_json, "train_images": int(x.shape[0]),
+           "epsilon_protects": MECHANISMS[method]["protects"], "epoch_seconds": epoch_seconds,
+           "threads": torch.get_num_threads(), "acc_clean": base_accuracy(base, xt, yt),
+           "epsilon": None, "epsilon_pld": None, "delta": None, "noise_multiplier": None, "steps": trainer.steps
+           if method == "pixeldp" else None, "epsilon_delta_1e-6": None, "robustness": None}
+    if method == "pixeldp":
+        g = trainer.guarantee()          # recomputed from the noise actually used (docs/pixeldp.md)
+        out["robustness"] = {"robustness_epsilon": g["epsilon"], "robustness_epsilon_config": ROBUST_EPS,
+                             "robustness_delta": g["delta"], "attack_bound": g["attack_bound"],
+                             "noise_scale": g["noise_scale"], "sensitivity": g["sensitivity"]}
+    else:
+        p = trainer.privacy()
+        fin = (lambda v_: v_ if math.isfinite(v_) else None)  # noqa: E731
+        out.update(epsilon=fin(p["epsilon"]), epsilon_pld=fin(p["epsilon_pld"]), delta=p["delta"],
+                   noise_multiplier=p["noise_multiplier"], steps=p["steps"],
+                   **{"epsilon_delta_1e-6": fin(trainer.ledger.epsilon(1e-6, "rdp"))})
+        if method == "secure_sgd":
+            out["robustness"] = {k: p[k] for k in ("robustness_epsilon", "robustness_delta", "attack_bound",
+                                                   "noise_scale", "sensitivity")}
+        if hasattr(trainer, "close"):
+            trainer.close()
+    if models is not None:
+        models.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), models / f"{name}.pt")
+        (models / f"{name}.json").write_text(json.dumps({k: out[k] for k in TRAINING_KEYS + MECHANISM_KEYS
+                                                         if k in out}, indent=1) + "\n")
+        out["model"] = name
+    out["plain_inference_img_s"] = plain_inference_img_s(base, xt)
+    log(f"[{label}] trained: acc_clean {out['acc_clean']:.2f}%, epsilon {out['epsilon']}; certifying "
+        f"{xc.shape[0]} images at N = {n}, sigma_pm1 {sigma_pm1:.4g}")
+    out.update(certify_model(base, sigma01, xc, yc, n, seed, n0=n0, sigma_pm1=sigma_pm1))
+    log(f"[{label}] certified ([0, 1] radii): " + ", ".join(f"{r}: {out['cert_acc_01'][r]:.1f}"
+                                                          for r in map(key01, HEADLINE_RADII_01)))
+    return out
+
+
 # ------------------------------------------------------------------ summary
-def envelope(units: list[dict], row: str) -> dict | None:
+def envelope(units: list[dict], row: str, methods=None) -> dict | None:
     """The top-level entry of ``row``: per headline radius ([0, 1] domain), the configuration (method,
     sigma) of the highest mean certified accuracy over its seeds among the test-split units with the
     largest N run for that row; mean, sample std, seeds, epsilons, which configuration and why.
     When validation units of the row exist, each radius takes the configuration best on them
     (``selection: validation``); otherwise the best on the certified images themselves, Cohen et
-    al.'s per-radius envelope over sigma, reported as a tuning choice (``selection``)."""
+    al.'s per-radius envelope over sigma, reported as a tuning choice (``selection``). ``methods``: the
+    methods it runs over (default: the DP-SGD methods of ``METHODS``; another mechanism's units have
+    rows of their own, ``mechanism_rows``)."""
+    methods = tuple(METHODS) if methods is None else tuple(methods)
+    units = [u for u in units if u.get("method", "dpcert") in methods]
     mine = [u for u in units if u["epsilon_row"] == row and u["split"] == "test"]
     if not mine:
         return None
@@ -303,7 +520,9 @@ def envelope(units: list[dict], row: str) -> dict | None:
         out["cert_acc_std"][r] = statistics.stdev(accs) if len(accs) > 1 else None
         out["seeds_per_radius"][r] = len(accs)
         out["config"][r] = {"method": best[0], "sigma_01": best[1], "sigma_pm1": 2 * best[1],
-                            **{k: us[0]["config"].get(k) for k in CONFIG_KEYS}}
+                            **{k: us[0]["config"].get(k) for k in CONFIG_KEYS
+                               if best[0] in METHODS or k in us[0]["config"]},
+                            **{k: us[0]["config"][k] for k in MECH_CONFIG_KEYS if k in us[0]["config"]}}
     out["selection"] = ("per radius, the configuration best on the validation split (55,000 / 5,000)"
                         if set(chosen_by) == {"validation"} else
                         "per radius, the envelope over the configurations run on the certified test images "
@@ -324,6 +543,24 @@ def load_units(runs: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(runs.glob("*.json"))]
 
 
+def mechanism_rows(units: list[dict]) -> dict:
+    """``{method: {row: envelope}}`` for the other mechanisms (``MECHANISMS``), each with
+    ``epsilon_protects`` (what its epsilon protects) and, for PixelDP, its robustness epsilon."""
+    out: dict[str, dict] = {}
+    for method, m in MECHANISMS.items():
+        for row in m["rows"]:
+            e = envelope(units, row, methods=(method,))
+            if e is None:
+                continue
+            e["epsilon_protects"] = m["protects"]
+            e["target"] = None            # the issue's targets are for its DP-SGD training (the rows above)
+            e["mechanism"] = m["trainable"]
+            if method in ("pixeldp", "secure_sgd"):
+                e["robustness_epsilon_config"], e["robustness_delta"] = ROBUST_EPS, ROBUST_DELTA
+            out.setdefault(method, {})[row] = e
+    return out
+
+
 def summarize(runs: Path, out: Path | None = None, extra: dict | None = None) -> Path:
     path = out or RESULTS / f"{NAME}.json"
     old = read_result(path)
@@ -335,6 +572,9 @@ def summarize(runs: Path, out: Path | None = None, extra: dict | None = None) ->
         e = envelope(units, row)
         if e is not None:
             payload[row] = e
+    mech = mechanism_rows(units)
+    if mech:
+        payload["mechanisms"] = mech
     payload["units"] = {u["unit"]: {k: v for k, v in u.items() if k not in ("radius_01", "correct", "cert_index")}
                         for u in units}
     payload["cost"] = old.get("cost")
@@ -409,6 +649,47 @@ def measure_cost(ks=(1, 2, 4), steps: int = 12, cert_images: int = 50, n: int = 
 
 
 # ------------------------------------------------------------------ docs
+EPS_LABEL = {"eps_3": "eps 3", "eps_1": "eps 1", "non_private": "non-private"}
+
+
+def mechanism_label(method: str, row: str) -> str:
+    """A row / curve family name that says what the epsilon protects: ``dpal_sound, eps 3``, ...,
+    ``pixeldp (robustness eps 1, not DP)``."""
+    if method == "pixeldp":
+        return f"pixeldp (robustness eps {ROBUST_EPS:g}, delta {ROBUST_DELTA:g})"
+    return f"{method}, {EPS_LABEL[row]}"
+
+
+def mechanism_table_rows(summary: dict) -> list[str]:
+    """The docs table's rows of the other mechanisms (not compared with the DP-SGD targets: the
+    targets are the issue's for its DP-SGD training), each naming what its epsilon protects; the
+    ones not run yet are listed after the table."""
+    rows = []
+    mech = summary.get("mechanisms") or {}
+    for method, m in MECHANISMS.items():
+        for row in m["rows"]:
+            e = (mech.get(method) or {}).get(row)
+            if e is None:
+                continue
+            cells = []
+            for r in map(key01, HEADLINE_RADII_01):
+                sd = e["cert_acc_std"][r]
+                cells.append(f"{e['cert_acc'][r]:.1f}" + (f" +- {sd:.1f}" if sd is not None else "")
+                             + f" (sigma_01 {e['config'][r]['sigma_01']})")
+            eps = ("" if e["epsilon"] is None else
+                   f"; eps {e['epsilon']:.2f} at delta 1e-5, {e['epsilon_delta_1e-6']:.2f} at 1e-6")
+            rows.append(f"| {mechanism_label(method, row)}{eps}; epsilon protects {m['short']} | "
+                        + " | ".join(cells) + f" | N {e['n']}, {e['images']} images, {e['seeds']} seeds | "
+                        f"{e['selection']} |")
+    return rows
+
+
+def mechanisms_not_run(summary: dict) -> list[str]:
+    mech = summary.get("mechanisms") or {}
+    return [mechanism_label(m, row) for m, spec in MECHANISMS.items() for row in spec["rows"]
+            if row not in (mech.get(m) or {})]
+
+
 def docs_table(summary: dict) -> str:
     rows = ["| epsilon | " + " | ".join(f"r_[0,1] {key01(r)} (r_[-1,1] {key01(2 * r)})" for r in HEADLINE_RADII_01)
             + " | N, images, seeds | selection |",
@@ -431,12 +712,19 @@ def docs_table(summary: dict) -> str:
         eps = "" if e["epsilon"] is None else f" (eps {e['epsilon']:.2f} at delta 1e-5, {e['epsilon_delta_1e-6']:.2f} at 1e-6)"
         rows.append(f"| {label}{eps} | " + " | ".join(cells)
                     + f" | N {e['n']}, {e['images']} images, {e['seeds']} seeds | {e['selection']} |")
+    rows.extend(mechanism_table_rows(summary))
     a = ANCHORS
     for name, label in (("cohen_gaussian_non_private", "anchor: Cohen et al., non-private"),
                         ("best_non_private", "anchor: best non-private"),
                         ("dp_cert_eps_3", "anchor: DP-CERT, eps ~3 (delta 1e-6)")):
         rows.append(f"| {label} | " + " | ".join(f"{a[name][key01(r)]}" for r in HEADLINE_RADII_01)
                     + " | N 100,000, full test set | |")
+    missing = mechanisms_not_run(summary)
+    if missing:
+        rows.append("")
+        rows.append("Other mechanisms not run yet (`--methods dpal_sound secure_sgd pixeldp`): " + "; ".join(missing)
+                    + ". What each epsilon protects: " + "; ".join(f"{m}: {spec['protects']}"
+                                                                  for m, spec in MECHANISMS.items()) + ".")
     ns = sorted({summary[row]["n"] for row in names if summary.get(row)})
     if ns:
         from scipy.stats import norm
@@ -473,7 +761,7 @@ def draw_figure(summary: dict, path: Path = FIGURE) -> bool:
     units = [u for u in (summary.get("units") or {}).values() if u.get("split") == "test" and u.get("cert_acc_01")]
     curves, notes = [], []
     for row, family in ROW_FAMILY.items():
-        mine = [u for u in units if u["epsilon_row"] == row]
+        mine = [u for u in units if u["epsilon_row"] == row and u.get("method", "dpcert") in METHODS]
         if not mine:
             continue
         n = max(u["n"] for u in mine)
@@ -489,6 +777,27 @@ def draw_figure(summary: dict, path: Path = FIGURE) -> bool:
                                       acc.std(axis=0, ddof=1) if len(us) > 1 else None, len(us),
                                       config={"method": method, "sigma_01": sigma}))
         notes.append(f"{family}: N {n:,}, {groups[next(iter(groups))][0]['images']} images")
+    from sweeps.report.certified import protects_short
+
+    for method, m in MECHANISMS.items():          # the other mechanisms: a family per (mechanism, row)
+        for row in m["rows"]:
+            mine = [u for u in units if u["epsilon_row"] == row and u.get("method") == method]
+            if not mine:
+                continue
+            n = max(u["n"] for u in mine)
+            groups = {}
+            for u in (u for u in mine if u["n"] == n):
+                groups.setdefault(u["sigma_01"], []).append(u)
+            family = mechanism_label(method, row)
+            for sigma, us in sorted(groups.items()):
+                keys = sorted(us[0]["cert_acc_01"], key=float)
+                acc = np.array([[u["cert_acc_01"][k] / 100.0 for k in keys] for u in us])
+                curves.append(RadiusCurve(f"sigma_01 {sigma:g}", family,
+                                          protects_short(m["trainable"], math.nan if row == "non_private" else 1.0),
+                                          np.array([float(k) for k in keys]), acc.mean(axis=0),
+                                          acc.std(axis=0, ddof=1) if len(us) > 1 else None, len(us),
+                                          config={"method": method, "sigma_01": sigma}))
+            notes.append(f"{family}: N {n:,}, {mine[0]['images']} images")
     anchors = [(label, [(r, ANCHORS[name][key01(r)] / 100.0) for r in HEADLINE_RADII_01])
                for name, label in (("cohen_gaussian_non_private", "Cohen et al., non-private"),
                                    ("best_non_private", "best non-private"),
@@ -515,7 +824,9 @@ def write_docs(path: Path | None = None, doc: Path = DOC, figure: Path | None = 
 # ------------------------------------------------------------------ main
 def main(argv=None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS) + list(MECHANISMS),
+                    help="DP-SGD methods, or the other mechanisms (dpal_sound, secure_sgd: epsilons 3 / 1; pixeldp: "
+                         "the non-private row, its epsilon protecting no training data)")
     ap.add_argument("--epsilons", nargs="+", default=list(EPSILONS), choices=list(EPSILONS))
     ap.add_argument("--sigmas", type=float, nargs="+", default=list(SIGMAS_01), help="sigma, [0, 1] domain")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -554,6 +865,10 @@ def main(argv=None) -> dict | None:
     jobs = [(m, EPSILONS[e], s, seed) for seed in args.seeds for e in args.epsilons for s in args.sigmas
             for m in args.methods]
     for method, row, sigma, seed in jobs:
+        if method in MECHANISMS and row not in MECHANISMS[method]["rows"]:
+            log(f"[{method} {row}] skipped: {method} runs in the rows {', '.join(MECHANISMS[method]['rows'])} "
+                f"(its epsilon protects {MECHANISMS[method]['protects']})")
+            continue
         stem = unit_stem(method, row, sigma, seed, args.split, args.n)
         with claimed_unit(runs, stem) as path:
             if path is None:

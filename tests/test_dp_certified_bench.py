@@ -101,35 +101,61 @@ def test_docs_table_states_n_images_domains_and_met_or_missed(tmp_path):
 
 def test_shipped_spec_at_its_local_subset_builds_and_steps_every_kind_of_trial():
     """sweeps/dp_certified_mnist.yaml with the subset its comment suggests: it validates and each
-    distinct training method of its grid (k = 1, k = 4, k = 4 with consistency) builds the trainer
-    the trial would and takes a step (the full sweep is hours of CPU: benchmarks/dp_certified_mnist.py)."""
+    distinct training method of its grid (k = 1, k = 4, k = 4 with consistency; dpal_sound, secure_sgd,
+    pixeldp) builds the trainer the trial would and takes a step, and each smooths with the noise it
+    trains with at the stds 0.5 / 1.0 / 2.0 ([-1, 1] domain) (the full sweep is hours of CPU:
+    benchmarks/dp_certified_mnist.py)."""
     from pathlib import Path
 
     import torch
 
     from dpmech.dpsgd.certified import DPCertTrainer
     from sweeps.spec import expand_trials, load_spec
+    from trainables.dpal_sound import DPALSoundMechanism, DPALSoundTrialConfig
     from trainables.dpsgd import DPSGDMechanism, DPSGDTrialConfig
+    from trainables.pixeldp import PixelDPMechanism, PixelDPTrialConfig
+    from trainables.secure_sgd import SecureSGDMechanism, SecureSGDTrialConfig
 
     path = Path(bench.__file__).resolve().parent.parent / "sweeps" / "dp_certified_mnist.yaml"
     spec = load_spec(path, ["common.train_size=2000", "common.test_size=200", "common.certify_images=20",
                             "common.certify_n=1000", "common.epochs=1"])
     trials = expand_trials(spec)
-    assert len(trials) == 27 and {t["certifier"] for t in trials} == {"smoothing"}
+    counts = {}
+    for t in trials:
+        counts[t["trainable"]] = counts.get(t["trainable"], 0) + 1
+    # dpsgd: 3 epsilons x 3 sigmas x (k 1, k 4, consistency); dpal_sound and secure_sgd: epsilons 3 and 1 x 3
+    # sigmas; pixeldp (no training-data epsilon): 3 noise stds
+    assert counts == {"dpsgd": 27, "dpal_sound": 6, "secure_sgd": 6, "pixeldp": 3} and len(trials) == 42
+    assert {t["certifier"] for t in trials} == {"smoothing"}
     kinds = {}
     for t in trials:
-        kinds.setdefault((t["augment_multiplicity"], t["consistency_weight"]), t)
-    assert set(kinds) == {(1, 0.0), (4, 0.0), (4, 10.0)}
+        kinds.setdefault((t["trainable"], t.get("augment_multiplicity"), t.get("consistency_weight")), t)
+    assert set(kinds) == {("dpsgd", 1, 0.0), ("dpsgd", 4, 0.0), ("dpsgd", 4, 10.0), ("dpal_sound", None, None),
+                          ("secure_sgd", None, None), ("pixeldp", None, None)}
     g = torch.Generator().manual_seed(0)
     x = torch.rand(64, 1, 28, 28, generator=g) * 2 - 1
     y = torch.randint(0, 10, (64,), generator=g)
-    for (k, lam), t in kinds.items():
-        cfg = DPSGDTrialConfig(**{**{key: v for key, v in t.items() if key != "trainable"}, "train_size": 64,
-                                  "batch_size": 16})
-        mech = DPSGDMechanism(cfg, x, y, torch.device("cpu"))
-        assert isinstance(mech.trainer, DPCertTrainer) == (k > 1)
-        mech.trainer.train_step()
-        assert mech.smoothing_classifier()[1] == t["noise_augmentation_sigma"]
+    classes = {"dpsgd": (DPSGDTrialConfig, DPSGDMechanism), "dpal_sound": (DPALSoundTrialConfig, DPALSoundMechanism),
+               "secure_sgd": (SecureSGDTrialConfig, SecureSGDMechanism), "pixeldp": (PixelDPTrialConfig, PixelDPMechanism)}
+    for (name, k, lam), t in kinds.items():
+        conf_cls, mech_cls = classes[name]
+        cfg = conf_cls(**{**{key: v for key, v in t.items() if key != "trainable"}, "train_size": 64, "batch_size": 16})
+        mech = mech_cls(cfg, x, y, torch.device("cpu"))
+        if name == "dpsgd":
+            assert isinstance(mech.trainer, DPCertTrainer) == (k > 1)
+        if name == "pixeldp":
+            mech.trainer.train_epoch()
+        else:
+            mech.trainer.train_step()
+        sigma = mech.smoothing_classifier()[1]
+        expected = {"dpsgd": "noise_augmentation_sigma", "dpal_sound": "smoothing_sigma"}.get(name)
+        if expected:
+            assert sigma == t[expected]
+        else:       # the noise layer's own std, L / (L per unit std)
+            assert sigma == pytest.approx(t["attack_bound"] / bench.attack_bound_for(name, 1.0), rel=1e-9)
+    stds = {(t["trainable"], round(t["attack_bound"] / bench.attack_bound_for(t["trainable"], 1.0), 4))
+            for t in trials if t["trainable"] in ("secure_sgd", "pixeldp")}
+    assert stds == {(m, s) for m in ("secure_sgd", "pixeldp") for s in (0.5, 1.0, 2.0)}
 
 
 def test_a_unit_at_another_n_certifies_the_trained_model_without_training(demo, capsys):
