@@ -7,7 +7,11 @@ code without clipping or noise) and CERTIFY (Cohen et al. 2019; n0 = 100, alpha 
 ``--n``) on the certified subset. Methods (:data:`METHODS`): ``gaussian`` (one noise augmentation
 per example, Cohen et al.'s training inside DP-SGD), ``dpcert`` (k augmentations averaged in each
 example's loss before clipping: DP-CERT's multiplicity) and ``consistency`` (the same k plus Jeong &
-Shin 2020's consistency regulariser). Every unit writes
+Shin 2020's consistency regulariser). The other mechanisms (:data:`MECHANISMS`, issue 36 item 3):
+``dpal_sound`` and ``secure_sgd`` at epsilon 3 / 1, ``pixeldp`` in the non-private row, each trained by its
+own dpmech trainer at the row's recipe and smoothed with the Gaussian input noise it trains with
+(:func:`run_mechanism_unit`), in rows and curves of their own labelled with what each epsilon protects.
+Every unit writes
 ``benchmarks/results/dp_certified_mnist/<unit>.json`` as soon as it ends (a unit already there is
 skipped; ``claimed_unit`` lets several processes share the grid); training checkpoints every epoch
 under ``--ckpt-dir`` (outside the repository: it holds the secret noise generator's state), and the
@@ -33,6 +37,7 @@ targets of the issue.
     python benchmarks/dp_certified_mnist.py --cost                         # measure one configuration
     python benchmarks/dp_certified_mnist.py --methods dpcert --epsilons 3 --sigmas 0.5 --seeds 0 --n 10000
     python benchmarks/dp_certified_mnist.py --summary --docs               # rebuild the summary; the docs table
+    python benchmarks/dp_certified_mnist.py --methods dpal_sound secure_sgd pixeldp --epsilons 3 1 none --n 10000
     python benchmarks/dp_certified_mnist.py --demo --out /tmp/demo.json    # seconds (the test suite)
 """
 
