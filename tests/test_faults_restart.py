@@ -82,3 +82,14 @@ def test_driver_killed_after_a_trial_completed_then_two_resumes_count_each_trial
         # the trial MLflow had FINISHED was reported from MLflow, not trained again
         ended = {r.data.tags["dpsweep.trial_key"]: r.info.end_time for r in children}
         assert all(ended[k] == t for k, t in finished_before.items())
+
+
+def test_trials_differing_only_beyond_the_schema_have_their_own_keys():
+    """A user's own Tuner may sweep a key the schema does not know (tests/test_sweep_e2e.py's
+    ``crash``): the two trials validate to one config, yet are two trials with two runs."""
+    from trainables.dpsgd import DPSGDTrialConfig
+    from trainables.runtime import trial_key, validate_config
+
+    base = {"trainable": "dpsgd", "dataset": "mnist", "epsilon": 1.0, "seed": 0}
+    cfg = validate_config(base, DPSGDTrialConfig)
+    assert trial_key(cfg, "dpsgd", {**base, "crash": True}) != trial_key(cfg, "dpsgd", {**base, "crash": False})

@@ -409,12 +409,16 @@ def _identity_json(cfg: CommonConfig, trainable: str, config: dict) -> str:
 
 def trial_key(cfg: CommonConfig, trainable: str, config: dict) -> str:
     """What identifies a trial across restarts (issue 33, points 1 and 2): a hash of its trainable,
-    its validated config and its repeat, never Ray Tune's trial id (a restarted errored trial, or a
-    trial re-created after a driver crash, gets a new id). Its child run carries it as the tag
-    ``dpsweep.trial_key``: a trial whose run is FINISHED reports that run and trains nothing, and
-    one whose run ended FAILED or KILLED logs into it again. Two trials of one sweep with the same
-    config and repeat are therefore one trial (a grid never has them; docs/faults.md)."""
-    return hashlib.sha256(_identity_json(cfg, trainable, config).encode()).hexdigest()[:32]
+    its validated config and its repeat (and any key of its config beyond the schema), not Ray
+    Tune's trial id alone (``dpsweep resume`` restarts an errored trial under a new id). Its child
+    run carries it as the tag ``dpsweep.trial_key``: a restarted trial whose run an earlier attempt
+    left FAILED or KILLED logs into that run again (``trainables.tracking.find_trial_run``). A
+    FINISHED or RUNNING run is found by the Ray trial id only, so two trials of the same config (a
+    user's own Tuner may run them) never share a run (docs/faults.md)."""
+    extra = {k: v for k, v in config.items() if k != "_mlflow"}
+    text = json.dumps({"identity": _identity_json(cfg, trainable, config), "config": extra}, sort_keys=True,
+                      default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def build_mechanism(mechanism_cls, cfg: CommonConfig, x, y, device, noise_key):

@@ -176,10 +176,16 @@ class TrialTracker:
 
 
 def find_trial_run(client, experiment_id: str, parent: str | None, trial_id: str, key: str | None = None):
-    """The trial's child run under ``parent``: the one tagged with its trial key, else (a run of an
-    earlier release, without the key) the one tagged with its Ray trial id; None when there is none."""
+    """The trial's child run under ``parent``: the one tagged with its Ray trial id (this attempt's
+    lineage), else one tagged with its trial key that an attempt left FAILED or KILLED (the trial
+    restarted under a new Ray id by ``dpsweep resume``). A RUNNING or FINISHED run with the key may
+    belong to another trial of the same config (a user's own Tuner may run such trials, side by side
+    or one after the other): never shared. None when there is none."""
     scope = f" and tags.`{TAG_PARENT}` = '{parent}'" if parent else ""
-    for flt in ([f"tags.`{TAG_KEY}` = '{key}'"] if key else []) + [f"tags.`{TAG_TRIAL}` = '{trial_id}'"]:
+    searches = [f"tags.`{TAG_TRIAL}` = '{trial_id}'"]
+    if key:
+        searches += [f"tags.`{TAG_KEY}` = '{key}' and attributes.status = '{s}'" for s in ("FAILED", "KILLED")]
+    for flt in searches:
         found = retry(lambda: client.search_runs([experiment_id], filter_string=flt + scope, max_results=1,
                                                  order_by=["attributes.start_time ASC"]), what="search_runs(trial)")
         if found:
