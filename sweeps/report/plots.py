@@ -363,13 +363,8 @@ def plot_robustness(trials, metric: str, path: Path, ylabel: str, refs=(), best:
                 mark_best(ax, r["robustness_epsilon_config"], r[metric], best)
     _stars(ax, [(_ref_x(df, r["_where"], "param.epsilon"), r["published"], r["point"])
                 for r in refs if r["metric"] == metric], [])
-    epsilon_axis(ax, agg["robustness_epsilon_config"], "robustness epsilon (configured; not a privacy guarantee)")
-    ax.set_ylabel(ylabel + " (mean ± sd)")
-    fit_ylim(ax)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    _save(fig, ax, path)
-    return True
+    return _finish_epsilon_figure(fig, ax, path, agg["robustness_epsilon_config"],
+                                  "robustness epsilon (configured; not a privacy guarantee)", ylabel)
 
 
 def _label(row) -> str:
@@ -534,7 +529,13 @@ def plot_accuracy_vs_epsilon(trials, metric: str, path: Path, ylabel: str, refs=
                 mark_best(ax, r["_eps"], r[metric], best)
     _stars(ax, [(_ref_x(df, r["_where"], "_eps"), r["published"], r["point"]) for r in refs if r["metric"] == metric],
            [])
-    epsilon_axis(ax, agg["_eps"], "epsilon (configured)")
+    return _finish_epsilon_figure(fig, ax, path, agg["_eps"], "epsilon (configured)", ylabel)
+
+
+def _finish_epsilon_figure(fig, ax, path, eps_values, xlabel: str, ylabel: str) -> bool:
+    """The shared end of a metric-against-epsilon figure: ticks at the swept epsilons, the y range
+    fitted, grid, legend, saved (PNG and PDF)."""
+    epsilon_axis(ax, eps_values, xlabel)
     ax.set_ylabel(ylabel + " (mean ± sd)")
     fit_ylim(ax)
     ax.grid(alpha=0.3)
