@@ -188,28 +188,97 @@ def plain_inference_img_s(model, x: torch.Tensor, batch: int = 4096) -> float:
     return best
 
 
-def certify_model(model, sigma01: float, x, y, n: int, seed: int, n0: int = N0, batch: int = 4096,
-                  sigma_pm1: float | None = None) -> dict:
+CERT_BATCH = 256     # noisy images per forward pass: the fastest on this CPU (FastMaxPool2d; docs/dp_certified.md)
+CERT_CHUNK = 20      # certified images per progress record
+
+
+def cert_progress(ckpt: Path | None) -> Path | None:
+    """The certification progress file beside a unit's training checkpoint (None: not recorded)."""
+    return None if ckpt is None else ckpt.with_name(ckpt.stem + ".cert.json")
+
+
+def chunk_generator(seed: int, chunk: int) -> torch.Generator:
+    """The noise generator of one chunk of certified images: a public stream of ``seed`` (the smoothing
+    noise is not secret), one per chunk, so a resumed certification draws what an uninterrupted one would."""
+    state = np.random.SeedSequence([int(seed), 136, int(chunk)]).generate_state(2, np.uint64)[0] >> np.uint64(1)
+    return torch.Generator().manual_seed(int(state))
+
+
+def model_digest(model) -> str:
+    """SHA-256 of a model's state (the progress file of a certification belongs to one model)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k, t in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def certify_model(model, sigma01: float, x, y, n: int, seed: int, n0: int = N0, batch: int = CERT_BATCH,
+                  sigma_pm1: float | None = None, progress: Path | None = None, label: str = "") -> dict:
     """CERTIFY (n0, N = ``n``, alpha = 0.001) of the smoothed classifier at sigma_[-1,1] = 2 sigma_01
     (or ``sigma_pm1``: a noise layer's own std); certified accuracy at the [0, 1] radii (and the same
-    radii doubled, [-1, 1]), cost."""
-    from dpmech.dpsgd.trainer import stream_seed
+    radii doubled, [-1, 1]), cost.
+
+    The images are certified in chunks of ``CERT_CHUNK``, each with its own noise stream
+    (``chunk_generator``); with ``progress`` (a JSON file) every finished chunk is recorded there
+    (atomically), and a rerun on the same model, images, sigma, N and batch resumes after the last
+    recorded chunk: a certification at N = 100,000 survives an interruption."""
+    import json
+
     from dpmech.robustness import smoothing
 
     model.eval()
-    gen = torch.Generator().manual_seed(stream_seed(seed, 136))
-    t0 = time.perf_counter()
-    res = smoothing.certify(model, 2.0 * sigma01 if sigma_pm1 is None else sigma_pm1, x, y.numpy(), n0=n0, n=n, alpha=ALPHA, generator=gen,
-                            batch_size=batch)
-    seconds = time.perf_counter() - t0
+    sigma = 2.0 * sigma01 if sigma_pm1 is None else sigma_pm1
+    key = {"model": model_digest(model), "sigma_pm1": sigma, "n": n, "n0": n0, "alpha": ALPHA, "batch": batch,
+           "chunk": CERT_CHUNK, "seed": seed, "images": int(x.shape[0]),
+           "inputs": float(x.double().sum()), "labels": [int(t) for t in y]}
+    done: dict = {}
+    if progress is not None and progress.exists():
+        try:
+            saved = json.loads(progress.read_text())
+        except (OSError, ValueError):
+            saved = {}
+        if saved.get("key") == key:
+            done = saved["chunks"]
+            log(f"[{label}] certification resumed: {len(done)} chunks of {CERT_CHUNK} images already certified")
+        else:
+            log(f"[{label}] {progress.name}: recorded for another model or setting; certifying afresh")
+    chunks = range(0, x.shape[0], CERT_CHUNK)
+    for c, start in enumerate(chunks):
+        if str(c) in done:
+            continue
+        t0 = time.perf_counter()
+        res = smoothing.certify(model, sigma, x[start:start + CERT_CHUNK], y[start:start + CERT_CHUNK].numpy(),
+                                n0=n0, n=n, alpha=ALPHA, generator=chunk_generator(seed, c), batch_size=batch)
+        done[str(c)] = {"prediction": res.prediction.tolist(), "count_a": res.count_a.tolist(),
+                        "p_a_lower": res.p_a_lower.tolist(), "radius": res.radius.tolist(),
+                        "seconds": time.perf_counter() - t0}
+        if progress is not None:
+            progress.parent.mkdir(parents=True, exist_ok=True)
+            tmp = progress.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"key": key, "chunks": done}))
+            tmp.replace(progress)
+        if len(chunks) > 1:
+            log(f"[{label}] certified {min(start + CERT_CHUNK, x.shape[0])}/{x.shape[0]} images "
+                f"({done[str(c)]['seconds']:.0f}s for {CERT_CHUNK})")
+    parts = [done[str(c)] for c in range(len(chunks))]
+    cat = {k: np.concatenate([np.asarray(p[k]) for p in parts]) for k in ("prediction", "count_a", "p_a_lower",
+                                                                         "radius")}
+    res = smoothing.SmoothingResult(np.arange(x.shape[0]), np.asarray(y), cat["prediction"].astype(np.int64),
+                                    cat["count_a"].astype(np.int64), cat["p_a_lower"], cat["radius"], sigma,
+                                    n0, n, ALPHA)
+    seconds = sum(p["seconds"] for p in parts)
     acc = smoothing.certified_accuracy(res, [2.0 * r for r in CURVE_RADII_01])
     return {"cert_acc_01": {key01(r): 100.0 * acc[2.0 * r] for r in CURVE_RADII_01},
             "cert_acc_pm1": {key01(2.0 * r): 100.0 * acc[2.0 * r] for r in CURVE_RADII_01},
             "abstain_rate": res.abstain_rate(), "smoothed_acc": 100.0 * res.accuracy(),
             "radius_01": [round(float(r) / 2.0, 5) for r in res.radius],
             "correct": [bool(c) for c in res.correct],
-            "n0": n0, "n": n, "alpha": ALPHA, "images": int(x.shape[0]),
-            "cert_seconds": seconds, "cert_img_s": x.shape[0] / seconds}
+            "n0": n0, "n": n, "alpha": ALPHA, "images": int(x.shape[0]), "cert_batch": batch,
+            "cert_chunk": CERT_CHUNK, "cert_seconds": seconds, "cert_img_s": x.shape[0] / seconds,
+            "cert_threads": torch.get_num_threads()}
 
 
 def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str = "test", n: int = 100_000,
@@ -245,7 +314,7 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
         log(f"[{label}] the trained model {name} reused (no training)")
         out = {"unit": unit_stem(method, eps_row, sigma01, seed, split, n), **record, "model": name,
                "cert_index": [int(i) for i in cert_idx], "plain_inference_img_s": plain_inference_img_s(model, xt)}
-        out.update(certify_model(model, sigma01, xc, yc, n, seed, n0=n0))
+        out.update(certify_model(model, sigma01, xc, yc, n, seed, n0=n0, progress=cert_progress(ckpt), label=label))
         return out
     trainer = DPCertTrainer(build_dpsgd_model("mnist", seed, recipe["model"]), x, y, cfg, device=device,
                             bk_prefer=bk_prefer)
@@ -289,7 +358,7 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
     out["plain_inference_img_s"] = plain_inference_img_s(model, xt)
     log(f"[{label}] trained: acc_clean {out['acc_clean']:.2f}%, epsilon {out['epsilon']}; certifying "
         f"{xc.shape[0]} images at N = {n}")
-    out.update(certify_model(model, sigma01, xc, yc, n, seed, n0=n0))
+    out.update(certify_model(model, sigma01, xc, yc, n, seed, n0=n0, progress=cert_progress(ckpt), label=label))
     log(f"[{label}] certified ([0, 1] radii): " + ", ".join(f"{r}: {out['cert_acc_01'][r]:.1f}"
                                                           for r in map(key01, HEADLINE_RADII_01))
         + f" ({out['cert_seconds']:.0f}s, {out['cert_img_s']:.2f} img/s)")
@@ -409,7 +478,8 @@ def run_mechanism_unit(method: str, eps_row: str, sigma01: float, seed: int, *, 
         base, sigma_pm1 = smoothing_base(method, model.eval(), cfg)
         log(f"[{label}] the trained model {name} reused (no training)")
         out = {**head, **record, "model": name, "plain_inference_img_s": plain_inference_img_s(base, xt)}
-        out.update(certify_model(base, sigma01, xc, yc, n, seed, n0=n0, sigma_pm1=sigma_pm1))
+        out.update(certify_model(base, sigma01, xc, yc, n, seed, n0=n0, sigma_pm1=sigma_pm1,
+                                 progress=cert_progress(ckpt), label=label))
         return out
     if method == "dpal_sound":
         from dpmech.dpal_sound.trainer import DPALSoundTrainer
@@ -474,7 +544,8 @@ def run_mechanism_unit(method: str, eps_row: str, sigma01: float, seed: int, *, 
     out["plain_inference_img_s"] = plain_inference_img_s(base, xt)
     log(f"[{label}] trained: acc_clean {out['acc_clean']:.2f}%, epsilon {out['epsilon']}; certifying "
         f"{xc.shape[0]} images at N = {n}, sigma_pm1 {sigma_pm1:.4g}")
-    out.update(certify_model(base, sigma01, xc, yc, n, seed, n0=n0, sigma_pm1=sigma_pm1))
+    out.update(certify_model(base, sigma01, xc, yc, n, seed, n0=n0, sigma_pm1=sigma_pm1,
+                                 progress=cert_progress(ckpt), label=label))
     log(f"[{label}] certified ([0, 1] radii): " + ", ".join(f"{r}: {out['cert_acc_01'][r]:.1f}"
                                                           for r in map(key01, HEADLINE_RADII_01)))
     return out
@@ -886,8 +957,9 @@ def main(argv=None) -> dict | None:
             write_result(NAME, result, out=path)
             p = summarize(runs, args.out)
             log(f"wrote {path} and {p}")
-            if not demo and (args.ckpt_dir / f"{stem}.pt").exists():
-                (args.ckpt_dir / f"{stem}.pt").unlink()
+            if not demo:
+                for done in (args.ckpt_dir / f"{stem}.pt", cert_progress(args.ckpt_dir / f"{stem}.pt")):
+                    done.unlink(missing_ok=True)
     return read_result(args.out or RESULTS / f"{NAME}.json")
 
 

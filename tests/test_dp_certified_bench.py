@@ -171,3 +171,43 @@ def test_a_unit_at_another_n_certifies_the_trained_model_without_training(demo, 
     assert (a["epsilon"], a["acc_clean"], a["model"]) == (b["epsilon"], b["acc_clean"], b["model"])
     assert (a["n"], b["n"]) == (200, 100)
     assert json.loads(demo.read_text())["eps_3"]["n"] == 200      # the top level takes the largest N run
+
+
+def test_an_interrupted_certification_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    """CERTIFY in chunks with a progress file: killed after its first chunk, a rerun certifies only the
+    rest and ends with the figures an uninterrupted run gives; another model starts afresh."""
+    import torch
+
+    from dpmech.dpsgd.trainer import build_dpsgd_model
+    from dpmech.robustness import smoothing
+
+    model = build_dpsgd_model("mnist", 0, "tb_cnn").eval()
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(2 * bench.CERT_CHUNK + 3, 1, 28, 28, generator=g) * 2 - 1
+    with torch.no_grad():
+        y = model(x).argmax(1)                 # labels the base classifier gets right: radii > 0
+    whole = bench.certify_model(model, 0.25, x, y, 300, 0, n0=20)
+    calls = []
+    real = smoothing.certify
+
+    def dies_on_second_chunk(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    progress = tmp_path / "unit.cert.json"
+    monkeypatch.setattr(smoothing, "certify", dies_on_second_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        bench.certify_model(model, 0.25, x, y, 300, 0, n0=20, progress=progress)
+    assert len(json.loads(progress.read_text())["chunks"]) == 1
+    calls.clear()
+    monkeypatch.setattr(smoothing, "certify", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    resumed = bench.certify_model(model, 0.25, x, y, 300, 0, n0=20, progress=progress)
+    assert len(calls) == 2                                        # the two chunks left, not three
+    assert resumed["radius_01"] == whole["radius_01"] and resumed["cert_acc_01"] == whole["cert_acc_01"]
+    assert max(whole["radius_01"]) > 0
+    other = build_dpsgd_model("mnist", 1, "tb_cnn").eval()      # another model: its own progress
+    calls.clear()
+    bench.certify_model(other, 0.25, x, y, 300, 0, n0=20, progress=progress)
+    assert len(calls) == 3

@@ -67,6 +67,7 @@ import torch
 import torch.nn as nn
 
 from dpmech import _validate as v
+from dpmech.networks.pooling import FastMaxPool2d
 
 DP_MODELS = ("pixeldp_cnn", "tb_cnn", "tb_cnn_gn")
 FEATURE_MODELS = ("linear", "scatter_cnn")
@@ -96,13 +97,15 @@ def _conv_block(cin: int, cout: int, k: int, stride: int, pad: int, groups: int 
 
 
 class TBMnistCNN(nn.Module):
-    """Tramer & Boneh 2021's MNIST CNN (tanh; Papernot et al. 2021's tempered-sigmoid CNN)."""
+    """Tramer & Boneh 2021's MNIST CNN (tanh; Papernot et al. 2021's tempered-sigmoid CNN). Its pools
+    are :class:`~dpmech.networks.pooling.FastMaxPool2d`: the same function, about 4x faster inference
+    on CPU (what CERTIFY's N = 100,000 draws per image spend)."""
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, groups: int | None = None):
         super().__init__()
         self.features = nn.Sequential(
-            *_conv_block(in_channels, 16, 8, 2, 2, groups), nn.MaxPool2d(2, stride=1),
-            *_conv_block(16, 32, 4, 2, 0, groups), nn.MaxPool2d(2, stride=1),
+            *_conv_block(in_channels, 16, 8, 2, 2, groups), FastMaxPool2d(2, stride=1),
+            *_conv_block(16, 32, 4, 2, 0, groups), FastMaxPool2d(2, stride=1),
         )
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * 4 * 4, 32), nn.Tanh(), nn.Linear(32, num_classes))
 
@@ -119,7 +122,7 @@ class TBCifarCNN(nn.Module):
         c = in_channels
         for width in (32, 64, 128):
             layers += _conv_block(c, width, 3, 1, 1, groups) + _conv_block(width, width, 3, 1, 1, groups)
-            layers.append(nn.MaxPool2d(2, stride=2))
+            layers.append(FastMaxPool2d(2, stride=2))
             c = width
         self.features = nn.Sequential(*layers)
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(128 * 4 * 4, 128), nn.Tanh(), nn.Linear(128, num_classes))
