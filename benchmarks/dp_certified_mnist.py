@@ -175,6 +175,18 @@ def make_config(eps_row: str, method: str, sigma01: float, seed: int, recipe_ove
                         seed=seed, **METHODS[method]), recipe
 
 
+def same_training(recorded: dict, cfg) -> bool:
+    """Whether a trained model's recorded configuration is ``cfg``'s: every recorded key equal, and a key
+    the record lacks (added to the trainer after the model was trained) at its default, i.e. the
+    behaviour the trainer had without it."""
+    import dataclasses
+
+    now = cfg.to_dict()
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    return (all(k in now and now[k] == v for k, v in recorded.items())
+            and all(k in defaults and now[k] == defaults[k] for k in set(now) - set(recorded)))
+
+
 def plain_inference_img_s(model, x: torch.Tensor, batch: int = 4096) -> float:
     """Images per second of the base classifier on ``x`` (no noise), best of two passes."""
     model.eval()
@@ -306,7 +318,7 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
         import json
 
         record = json.loads((models / f"{name}.json").read_text())
-        if record["config"] != cfg.to_dict():
+        if not same_training(record["config"], cfg):
             raise SystemExit(f"{models / name}.json: trained with another configuration; not reused")
         model = build_dpsgd_model("mnist", seed, recipe["model"])
         model.load_state_dict(torch.load(models / f"{name}.pt", weights_only=True))
