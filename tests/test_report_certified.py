@@ -39,8 +39,9 @@ def _sweep():
     add("a1", "dpsgd", [1.0, 2.0, 3.0, 4.0, 5.0], epsilon=3.0, noise_augmentation_sigma=0.5, seed=1)
     add("b0", "dpsgd", [4.5] * 3, epsilon=3.0, noise_augmentation_sigma=1.0, seed=0)
     add("c0", "dpsgd", [3.0] * 8, wrong=(0,), epsilon=None, noise_augmentation_sigma=0.5, seed=0)
-    add("p0", "pixeldp", [1.0] * 5, epsilon=1.0, seed=0)
-    add("s0", "secure_sgd", [2.0] * 6, epsilon=2.0, seed=0)
+    add("p0", "pixeldp", [1.0] * 5, epsilon=1.0, seed=0, noise_after=0)
+    add("s0", "secure_sgd", [2.0] * 6, epsilon=2.0, seed=0, noise_after=0)
+    rows[-2]["noise_scale"], rows[-1]["noise_scale"] = 1.0, 2.0     # the noise layers' std ([-1, 1] domain)
     return Sweep(None, "e", "sqlite://", None, pd.DataFrame(rows), tables)
 
 
@@ -127,7 +128,13 @@ def test_the_table_at_the_literature_radii_beside_the_anchors(drawn):
     env = rows["dpsgd eps 3: envelope over noise_augmentation_sigma (best per radius: a tuning choice)"]
     assert [env[k].split(" (")[0] for k in cols] == ["45.0", "30.0", "30.0", "30.0"]
     assert env[cols[0]].endswith("(noise_augmentation_sigma=0.5)") and env[cols[3]].endswith("(noise_augmentation_sigma=1)")
-    assert rows["pixeldp robustness eps 1: pixeldp"]["epsilon protects"].startswith("not DP")
+    p = rows["pixeldp robustness eps 1: pixeldp"]
+    assert p["epsilon protects"].startswith("not DP")
+    # a noise layer on the input is the smoothing noise: its std is the sigma; after a layer it is none
+    assert p["sigma_[0,1] (sigma_[-1,1])"] == "0.5 (1)"
+    assert rows["secure_sgd eps 2: secure_sgd"]["sigma_[0,1] (sigma_[-1,1])"] == "1 (2)"
+    from sweeps.report.certified import _sigma01     # noise after a layer is not the smoothing noise: no sigma
+    assert np.isnan(_sigma01({"param.noise_after": "1", "noise_scale": 2.0}))
     pub = rows["published: DP-CERT"]
     assert [pub[k] for k in cols] == ["93.3", "81.3", "", ""]
     assert "published: elsewhere" not in rows

@@ -125,9 +125,16 @@ def _value(v) -> str:
 
 
 def _sigma01(row) -> float:
+    """The smoothing sigma in the [0, 1] domain: a DP-SGD / dpal_sound trial's parameter, or the std of a
+    PixelDP / SecureSGD noise layer on the input (``noise_after`` 0: the noise it is smoothed with; its
+    ``noise_scale`` metric, [-1, 1] domain); NaN where the noise is not on the input."""
     for key in SIGMA_KEYS:
         v = as_number(row.get(key))
         if math.isfinite(v):
+            return v / 2.0
+    if as_number(row.get("param.noise_after")) == 0:
+        v = as_number(row.get("noise_scale"))
+        if math.isfinite(v) and v > 0:
             return v / 2.0
     return math.nan
 
