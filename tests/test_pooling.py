@@ -52,3 +52,12 @@ def test_the_networks_predict_the_same_with_and_without_autograd(name, dataset):
     with torch.no_grad():
         fast = model(x)
     assert torch.equal(fast, model(x).detach())
+
+
+def test_the_speed_benchmark_certifies_the_same_counts_with_either_pool(tmp_path):
+    from benchmarks import smoothing_speed
+
+    out = smoothing_speed.main(["--demo", "--out", str(tmp_path / "s.json")])
+    assert out["same_counts"] is True
+    assert set(out["variants"]) == {"maxpool2d_batch4096", "fast_batch4096", "fast_batch256"}
+    assert all(v["noisy_img_s"] > 0 for v in out["variants"].values())

@@ -8,7 +8,8 @@ of this machine it took 58% of that network's forward pass (243 of 420 ms for 4,
 
 :class:`FastMaxPool2d` computes the same function as the element-wise maximum of the
 ``kernel_size ** 2`` strided slices of its input (output[o] = max_(i, j) x[s o + (i, j)]), which
-is the definition of max pooling without padding or dilation; a maximum is exact, so the values
+is the definition of max pooling without padding or dilation (taken over the window's rows, then its
+columns: kh + kw - 2 maxima instead of kh kw - 1); a maximum is exact, so the values
 are bit-for-bit those of ``F.max_pool2d`` (tests/test_pooling.py checks it, ties included). It is
 used only when no gradient is recorded: with autograd on, PyTorch's own kernel runs, so training,
 per-example gradients (Opacus, BookKeeper, ``torch.func``) and attacks see the gradient PyTorch
@@ -43,9 +44,12 @@ class FastMaxPool2d(nn.MaxPool2d):
         oh, ow = (h - kh) // sh + 1, (w - kw) // sw + 1
         if oh < 1 or ow < 1:
             return F.max_pool2d(x, self.kernel_size, self.stride)   # PyTorch's own error message
-        out = None
+        rows = None                    # separable: the maximum over the window's rows, then its columns
         for i in range(kh):
-            for j in range(kw):
-                s = x[..., i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw]
-                out = s if out is None else torch.maximum(out, s)
+            sl = x[..., i:i + sh * (oh - 1) + 1:sh, :]
+            rows = sl if rows is None else torch.maximum(rows, sl)
+        out = None
+        for j in range(kw):
+            sl = rows[..., j:j + sw * (ow - 1) + 1:sw]
+            out = sl if out is None else torch.maximum(out, sl)
         return out.clone() if kh * kw == 1 else out      # never a view of the input
