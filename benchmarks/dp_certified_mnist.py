@@ -564,10 +564,21 @@ def run_mechanism_unit(method: str, eps_row: str, sigma01: float, seed: int, *, 
 
 
 # ------------------------------------------------------------------ summary
+def envelope_n(units: list[dict]) -> int:
+    """The N of a row's envelope: the largest N at which every sigma the row was run at is certified (an
+    envelope over sigma needs them all: while the N = 100,000 units of a row land one by one, the row
+    stays at N = 10,000); the largest N when none covers them all."""
+    sigmas = {u["sigma_01"] for u in units}
+    for n in sorted({u["n"] for u in units}, reverse=True):
+        if {u["sigma_01"] for u in units if u["n"] == n} == sigmas:
+            return n
+    return max(u["n"] for u in units)
+
+
 def envelope(units: list[dict], row: str, methods=None) -> dict | None:
     """The top-level entry of ``row``: per headline radius ([0, 1] domain), the configuration (method,
-    sigma) of the highest mean certified accuracy over its seeds among the test-split units with the
-    largest N run for that row; mean, sample std, seeds, epsilons, which configuration and why.
+    sigma) of the highest mean certified accuracy over its seeds among the test-split units at the
+    row's N (``envelope_n``); mean, sample std, seeds, epsilons, which configuration and why.
     When validation units of the row exist, each radius takes the configuration best on them
     (``selection: validation``); otherwise the best on the certified images themselves, Cohen et
     al.'s per-radius envelope over sigma, reported as a tuning choice (``selection``). ``methods``: the
@@ -578,7 +589,7 @@ def envelope(units: list[dict], row: str, methods=None) -> dict | None:
     mine = [u for u in units if u["epsilon_row"] == row and u["split"] == "test"]
     if not mine:
         return None
-    n = max(u["n"] for u in mine)
+    n = envelope_n(mine)
     mine = [u for u in mine if u["n"] == n]
     groups: dict[tuple, list[dict]] = {}
     for u in mine:
@@ -841,7 +852,7 @@ ROW_FAMILY = {"eps_3": "DP-SGD eps 3", "eps_1": "DP-SGD eps 1", "non_private": "
 
 def draw_figure(summary: dict, path: Path = FIGURE) -> bool:
     """The docs' figure from the results file: certified accuracy against the [0, 1] radius, a curve
-    per (method, sigma) of each epsilon row (the test-split units at the row's largest N, mean over
+    per (method, sigma) of each epsilon row (the test-split units at the row's N, ``envelope_n``, mean over
     seeds, at the ``CURVE_RADII_01`` the units record), the envelope per row and the anchors; drawn
     by the report's own function (``sweeps.report.certified.draw_radius_figure``)."""
     from sweeps.report.certified import RadiusCurve, draw_radius_figure
@@ -852,7 +863,7 @@ def draw_figure(summary: dict, path: Path = FIGURE) -> bool:
         mine = [u for u in units if u["epsilon_row"] == row and u.get("method", "dpcert") in METHODS]
         if not mine:
             continue
-        n = max(u["n"] for u in mine)
+        n = envelope_n(mine)
         groups: dict[tuple, list[dict]] = {}
         for u in (u for u in mine if u["n"] == n):
             groups.setdefault((u["method"], u["sigma_01"]), []).append(u)

@@ -83,6 +83,16 @@ def test_envelope_takes_the_best_sigma_per_radius_and_prefers_validation():
     assert bench.envelope(units, "eps_1") is None
 
 
+def test_a_row_moves_to_a_larger_n_only_when_every_sigma_is_certified_there():
+    units = [_unit("dpcert", 0.25, 0, [90, 60, 0, 0]), _unit("dpcert", 1.0, 0, [80, 70, 50, 30])]
+    big = dict(_unit("dpcert", 0.25, 0, [92, 70, 20, 0]), n=100_000, unit="big")
+    e = bench.envelope(units + [big], "eps_3")      # sigma 1.0 not yet at N 100,000: the row stays at 10,000
+    assert e["n"] == 10_000 and e["cert_acc"]["2.0"] == 30
+    big1 = dict(_unit("dpcert", 1.0, 0, [85, 75, 55, 35]), n=100_000, unit="big1")
+    e = bench.envelope(units + [big, big1], "eps_3")
+    assert e["n"] == 100_000 and e["cert_acc"]["0.5"] == 92 and e["cert_acc"]["2.0"] == 35
+
+
 def test_docs_table_states_n_images_domains_and_met_or_missed(tmp_path):
     units = [_unit("dpcert", 0.5, 0, [94.5, 80, 55, 10])]
     summary = {"eps_3": bench.envelope(units, "eps_3")}
