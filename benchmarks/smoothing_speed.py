@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 import time
 from pathlib import Path
@@ -66,7 +67,7 @@ def run(images: int, n: int, repeats: int, threads: int) -> dict:
         log(f"[{rep + 1}/{repeats}] " + ", ".join(f"{k} {images * (n + 100) / best[k]:,.0f} noisy img/s" for k in vs))
     base = best["maxpool2d_batch4096"]
     return {"benchmark": NAME, "model": "tb_cnn (mnist)", "images": images, "n": n, "n0": 100, "sigma_pm1": 1.0,
-            "repeats": repeats, "threads": threads,
+            "repeats": repeats, "threads": threads, "load_average_1min_at_end": os.getloadavg()[0],
             "variants": {k: {"seconds": best[k], "noisy_img_s": images * (n + 100) / best[k],
                              "certified_img_s": images / best[k], "speedup": base / best[k],
                              "hours_500_images_n100000": 500 * 100_100 / (images * (n + 100) / best[k]) / 3600}
