@@ -271,3 +271,33 @@ def test_trainable_runs_a_trial_and_reports_its_metrics(monkeypatch):
     assert final["epsilon"] == pytest.approx(eps_of(privacy_event(DPALSoundTrialConfig(**config)), 1e-5, "rdp"))
     assert final["epsilon"] <= 2.0 and final["steps"] == 8
     assert 0 <= final["acc_worst_0.2"] <= min(final["acc_pgd_0.2"], final["acc_fgsm_0.2"])
+
+
+@pytest.mark.parametrize("certifier", ["default", "smoothing"])
+def test_a_trial_certifies_once_whatever_the_certifier(monkeypatch, certifier):
+    """With ``certifier: smoothing`` the runtime's CERTIFY is the certificate; dpal_sound's own (the same
+    model, sigma, images and N) is not run again; with ``default`` only its own runs."""
+    from ray import tune
+
+    from dpmech.robustness import smoothing
+    from sweeps.spec.space import reported_metrics
+    from trainables.dpal_sound import DPALSoundTrialConfig, dpal_sound
+
+    reports, calls = [], []
+    real = smoothing.certify
+    monkeypatch.setattr(smoothing, "certify", lambda *a, **kw: (calls.append(kw["n"]), real(*a, **kw))[1])
+    monkeypatch.setattr(tune, "get_checkpoint", lambda: None)
+    monkeypatch.setattr(tune, "get_context", lambda: None)
+    monkeypatch.setattr(tune, "report", lambda metrics, checkpoint=None: reports.append(metrics))
+    config = {"epochs": 1, "train_size": 256, "test_size": 32, "batch_size": 64, "certify_images": 8,
+              "certify_n": 50, "n_predict": 20, "attack_images": 4, "attack_steps": 1, "eot_samples": 1,
+              "attacks": {"fgsm": [0.2]}, "certifier": certifier, "certify_sizes": [0.5]}
+    dpal_sound(config)
+    final = reports[-1]
+    assert calls == [50]
+    full = {"trainable": "dpal_sound", **DPALSoundTrialConfig(**config).model_dump()}
+    expected = reported_metrics("dpal_sound", full)
+    assert not expected - set(final), expected - set(final)
+    own = {m for m in final if m.startswith(("cert_l2_acc_", "cert_linf_acc_"))}
+    assert bool(own) == (certifier == "default")
+    assert ("smooth_cert_acc_0.5" in final) == (certifier == "smoothing")

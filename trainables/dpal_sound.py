@@ -151,7 +151,7 @@ class DPALSoundMechanism(TrainerMechanism):
         """Every dpal_sound metric (dpmech.dpal_sound.trainer.evaluate): smoothed clean accuracy, white-box
         EOT attacks on the noisy classifier, randomized-smoothing certificates."""
         return evaluate(self.model, self.sigma, x, y, seed=cfg.seed, predict_n=cfg.n_predict,
-                        cert_size=cfg.certify_images, cert_n0=cfg.smoothing_n0, cert_n=cfg.certify_n,
+                        cert_size=own_certify_images(cfg), cert_n0=cfg.smoothing_n0, cert_n=cfg.certify_n,
                         alpha=cfg.smoothing_alpha, l2_radii=tuple(cfg.cert_l2_radii),
                         linf_sizes=tuple(cfg.cert_linf_sizes), attacks=cfg.attacks,
                         pgd_size_n=cfg.attack_images, pgd_steps=cfg.attack_steps, eot_samples=cfg.eot_samples)
@@ -161,6 +161,22 @@ class DPALSoundMechanism(TrainerMechanism):
 
     def smoothing_classifier(self):
         return (self.model, self.sigma)
+
+
+def own_certify_images(cfg) -> int:
+    """The images dpal_sound's own CERTIFY runs on: none when the trial's ``certifier`` runs randomized
+    smoothing too (``smoothing`` / ``both``): that is the same certificate (this model, its sigma, the
+    same images, n0, N and alpha), reported as ``smooth_cert_acc_<r>``, so it is not computed twice (at
+    N 100,000 each costs half an hour of a core)."""
+    return 0 if cfg.certifier in ("smoothing", "both") else cfg.certify_images
+
+
+def final_metrics(config: dict, metrics: set[str]) -> set[str]:
+    """Without its own CERTIFY (``own_certify_images``) a trial reports no ``cert_l2_acc_*``,
+    ``cert_linf_acc_*`` or ``cert_abstain_rate`` (the runtime's ``smooth_cert_*`` instead)."""
+    if (config.get("certifier") or "default") in ("smoothing", "both"):
+        return {m for m in metrics if not m.startswith(("cert_l2_acc_", "cert_linf_acc_", "cert_abstain_rate"))}
+    return metrics
 
 
 def dpal_sound(config: dict, noise_key=None) -> None:
@@ -179,5 +195,6 @@ TRAINABLES = (
         privacy_event="trainables.dpal_sound:privacy_event",
         privacy_keys=PRIVACY_KEYS,
         metrics=METRICS + tuple(f"cert_l2_acc_{r:g}" for r in (0.25, 0.5, 0.75, 1.0))
-        + tuple(f"cert_linf_acc_{s:g}" for s in (0.01, 0.02, 0.03, 0.05))),
+        + tuple(f"cert_linf_acc_{s:g}" for s in (0.01, 0.02, 0.03, 0.05)),
+        final_metrics="trainables.dpal_sound:final_metrics"),
 )

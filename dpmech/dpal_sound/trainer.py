@@ -254,7 +254,7 @@ def evaluate(model: nn.Module, sigma: float, x: torch.Tensor, y: torch.Tensor, *
              predict_n: int = 100, predict_size: int | None = None, cert_size: int = 1000, cert_n0: int = 100,
              cert_n: int = 10_000, alpha: float = 0.001, l2_radii=(0.25, 0.5, 0.75, 1.0),
              linf_sizes=(0.01, 0.02, 0.03, 0.05), pgd_sizes=(0.1, 0.2), attacks: dict | None = None,
-             pgd_size_n: int = 1000, pgd_steps: int = 20, eot_samples: int = 8, batch_size: int = 4096,
+             pgd_size_n: int = 1000, pgd_steps: int = 20, eot_samples: int = 8, batch_size: int | None = None,
              progress=None) -> dict:
     """The dpal_sound metrics (docs/metrics.md) of a trained base model f under smoothing noise sigma:
 
