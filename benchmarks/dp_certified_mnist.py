@@ -187,8 +187,10 @@ def same_training(recorded: dict, cfg) -> bool:
             and all(k in defaults and now[k] == defaults[k] for k in set(now) - set(recorded)))
 
 
-def plain_inference_img_s(model, x: torch.Tensor, batch: int = 4096) -> float:
-    """Images per second of the base classifier on ``x`` (no noise), best of two passes."""
+def plain_inference_img_s(model, x: torch.Tensor, batch: int | None = None) -> float:
+    """Images per second of the base classifier on ``x`` (no noise), best of two passes, ``batch`` images a
+    pass (default: ``CERT_BATCH``, the certification's, so the two compare)."""
+    batch = batch or CERT_BATCH
     model.eval()
     best = 0.0
     with torch.no_grad():
@@ -228,7 +230,7 @@ def model_digest(model) -> str:
 
 
 def certify_model(model, sigma01: float, x, y, n: int, seed: int, n0: int = N0, batch: int = CERT_BATCH,
-                  sigma_pm1: float | None = None, progress: Path | None = None, label: str = "") -> dict:
+                  sigma_pm1: float | None = None, progress: Path | None = None, label: str = "certify") -> dict:
     """CERTIFY (n0, N = ``n``, alpha = 0.001) of the smoothed classifier at sigma_[-1,1] = 2 sigma_01
     (or ``sigma_pm1``: a noise layer's own std); certified accuracy at the [0, 1] radii (and the same
     radii doubled, [-1, 1]), cost.
@@ -936,6 +938,8 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--runs", type=Path, default=RUNS, help="folder of the unit files")
     ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/dp_certified_mnist_ckpt"))
     ap.add_argument("--cost", action="store_true", help="measure one configuration's cost into the 'cost' section")
+    ap.add_argument("--cost-threads", type=int, nargs="+", default=[1, 2],
+                    help="thread counts of the cost's certification (2 only on an otherwise idle 2-core machine)")
     ap.add_argument("--docs", action="store_true", help="write docs/dp_certified.md's table from the results file")
     ap.add_argument("--summary", action="store_true", help="only rebuild the results file from the unit files")
     ap.add_argument("--demo", action="store_true",
@@ -951,7 +955,7 @@ def main(argv=None) -> dict | None:
     if args.summary or args.docs:
         return read_result(args.out or RESULTS / f"{NAME}.json")
     if args.cost:
-        cost = measure_cost()
+        cost = measure_cost(threads=tuple(args.cost_threads))
         summarize(args.runs, args.out, extra={"cost": cost})
         return cost
     demo = args.demo
