@@ -852,7 +852,37 @@ FIGURE = DOC.parent / "figures" / f"{NAME}.png"
 ROW_FAMILY = {"eps_3": "DP-SGD eps 3", "eps_1": "DP-SGD eps 1", "non_private": "same code, non-private"}
 
 
-def draw_figure(summary: dict, path: Path = FIGURE) -> bool:
+FINE_RADII_01 = np.round(np.linspace(0.0, 3.0, 301), 4)      # the figure's grid, [0, 1] domain
+
+
+def unit_curve(u: dict, runs: Path | None) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """A unit's certified accuracy against the [0, 1] radius: on ``FINE_RADII_01`` from the per-image radii
+    of its unit file under ``runs`` (correct and radius >= r, the way ``certified_accuracy`` counts), else
+    at the ``CURVE_RADII_01`` the summary keeps. Returns (grid keys, radii, accuracies in [0, 1])."""
+    import json
+
+    f = None if runs is None else runs / f"{u['unit']}.json"
+    if f is not None and f.exists():
+        full = json.loads(f.read_text())
+        if full.get("radius_01") and full.get("correct"):
+            rad = np.asarray(full["radius_01"], dtype=float)
+            ok = np.asarray(full["correct"], dtype=bool) & (rad > 0)
+            acc = np.array([(ok & (rad >= r - 1e-12)).mean() for r in FINE_RADII_01])
+            return [f"{r:g}" for r in FINE_RADII_01], FINE_RADII_01, acc
+    keys = sorted(u["cert_acc_01"], key=float)
+    return keys, np.array([float(k) for k in keys]), np.array([u["cert_acc_01"][k] / 100.0 for k in keys])
+
+
+def _curve_of(us: list[dict], runs: Path | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Mean (and sample std over seeds) of the units' curves on a grid they share."""
+    parts = [unit_curve(u, runs) for u in us]
+    if len({tuple(p[0]) for p in parts}) > 1:          # a seed without its unit file: the coarse grid for all
+        parts = [unit_curve(u, None) for u in us]
+    acc = np.array([p[2] for p in parts])
+    return parts[0][1], acc.mean(axis=0), (acc.std(axis=0, ddof=1) if len(us) > 1 else None)
+
+
+def draw_figure(summary: dict, path: Path = FIGURE, runs: Path | None = RUNS) -> bool:
     """The docs' figure from the results file: certified accuracy against the [0, 1] radius, a curve
     per (method, sigma) of each epsilon row (the test-split units at the row's N, ``envelope_n``, mean over
     seeds, at the ``CURVE_RADII_01`` the units record), the envelope per row and the anchors; drawn
@@ -870,13 +900,10 @@ def draw_figure(summary: dict, path: Path = FIGURE) -> bool:
         for u in (u for u in mine if u["n"] == n):
             groups.setdefault((u["method"], u["sigma_01"]), []).append(u)
         for (method, sigma), us in sorted(groups.items()):
-            keys = sorted(us[0]["cert_acc_01"], key=float)
-            acc = np.array([[u["cert_acc_01"][k] / 100.0 for k in keys] for u in us])
+            radii, mean, sd = _curve_of(us, runs)
             curves.append(RadiusCurve(f"{method}, sigma_01 {sigma:g}", family,
                                       "non-private" if row == "non_private" else "DP: training examples",
-                                      np.array([float(k) for k in keys]), acc.mean(axis=0),
-                                      acc.std(axis=0, ddof=1) if len(us) > 1 else None, len(us),
-                                      config={"method": method, "sigma_01": sigma}))
+                                      radii, mean, sd, len(us), config={"method": method, "sigma_01": sigma}))
         notes.append(f"{family}: N {n:,}, {groups[next(iter(groups))][0]['images']} images")
     from sweeps.report.certified import protects_short
 
@@ -891,13 +918,10 @@ def draw_figure(summary: dict, path: Path = FIGURE) -> bool:
                 groups.setdefault(u["sigma_01"], []).append(u)
             family = mechanism_label(method, row)
             for sigma, us in sorted(groups.items()):
-                keys = sorted(us[0]["cert_acc_01"], key=float)
-                acc = np.array([[u["cert_acc_01"][k] / 100.0 for k in keys] for u in us])
+                radii, mean, sd = _curve_of(us, runs)
                 curves.append(RadiusCurve(f"sigma_01 {sigma:g}", family,
                                           protects_short(m["trainable"], math.nan if row == "non_private" else 1.0),
-                                          np.array([float(k) for k in keys]), acc.mean(axis=0),
-                                          acc.std(axis=0, ddof=1) if len(us) > 1 else None, len(us),
-                                          config={"method": method, "sigma_01": sigma}))
+                                          radii, mean, sd, len(us), config={"method": method, "sigma_01": sigma}))
             notes.append(f"{family}: N {n:,}, {mine[0]['images']} images")
     anchors = [(label, [(r, ANCHORS[name][key01(r)] / 100.0) for r in HEADLINE_RADII_01])
                for name, label in (("cohen_gaussian_non_private", "Cohen et al., non-private"),
@@ -908,11 +932,11 @@ def draw_figure(summary: dict, path: Path = FIGURE) -> bool:
                               title="MNIST, randomized smoothing (benchmarks/dp_certified_mnist.py)")
 
 
-def write_docs(path: Path | None = None, doc: Path = DOC, figure: Path | None = None) -> None:
+def write_docs(path: Path | None = None, doc: Path = DOC, figure: Path | None = None, runs: Path | None = RUNS) -> None:
     summary = read_result(path or RESULTS / f"{NAME}.json")
     figure = figure or doc.parent / "figures" / f"{NAME}.png"
     block = docs_table(summary)
-    if draw_figure(summary, figure):
+    if draw_figure(summary, figure, runs):
         rel = os.path.relpath(figure, doc.parent)
         block += (f"\n\n![certified accuracy against l2 radius]({rel})\n\nA thin curve per (method, sigma), a thick "
                   "one per epsilon: the envelope over them (per radius the best on the certified images: a tuning "
@@ -951,7 +975,7 @@ def main(argv=None) -> dict | None:
     if args.summary:
         log(f"wrote {summarize(args.runs, args.out)}")
     if args.docs:
-        write_docs(args.out)
+        write_docs(args.out, runs=args.runs)
     if args.summary or args.docs:
         return read_result(args.out or RESULTS / f"{NAME}.json")
     if args.cost:

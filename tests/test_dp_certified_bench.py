@@ -221,3 +221,16 @@ def test_an_interrupted_certification_resumes_to_the_uninterrupted_result(tmp_pa
     calls.clear()
     bench.certify_model(other, 0.25, x, y, 300, 0, n0=20, progress=progress)
     assert len(calls) == 3
+
+
+def test_the_figure_curve_from_per_image_radii_agrees_with_the_summary(demo):
+    """The docs figure draws each unit on a fine radius grid from its per-image radii; at the summary's
+    radii it is the summary's certified accuracy; without the unit file it falls back to those radii."""
+    summary = json.loads(demo.read_text())
+    unit = next(u for u in summary["units"].values() if u["n"] == 200)    # the demo's own (another test adds one)
+    keys, radii, acc = bench.unit_curve(unit, demo.with_suffix(""))
+    assert len(radii) == len(bench.FINE_RADII_01)
+    for r01, want in unit["cert_acc_01"].items():
+        assert 100 * acc[int(np.argmin(abs(radii - float(r01))))] == pytest.approx(want)
+    coarse_keys, coarse, _ = bench.unit_curve(unit, None)
+    assert list(coarse) == sorted(float(k) for k in unit["cert_acc_01"])
