@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from ray import tune
@@ -591,7 +592,14 @@ def ray_init(spec=None) -> str:
     if ray.is_initialized():
         return "Ray: this process's own instance (already initialised)"
     address = (os.environ.get("RAY_ADDRESS") or "").strip()
-    env = runtime_env(spec) if spec is not None else None
+    env = dict(runtime_env(spec) or {}) if spec is not None else {}
+    # this driver's session, for its trials' workers: a trial key adopts only a run an earlier driver
+    # left FAILED or KILLED (trainables.tracking.find_trial_run)
+    from trainables.tracking import SESSION_ENV
+
+    session = uuid.uuid4().hex
+    os.environ[SESSION_ENV] = session
+    env["env_vars"] = {**env.get("env_vars", {}), SESSION_ENV: session}
     common = dict(include_dashboard=False, log_to_driver=False, configure_logging=True, logging_level="WARNING",
                   **({"runtime_env": env} if env else {}))
     if not address or address.lower() == "local":

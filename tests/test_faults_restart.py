@@ -26,17 +26,40 @@ def _info(tmp_path):
 def test_a_restarted_trial_under_a_new_ray_id_logs_into_its_own_run(tmp_path):
     """Point 2: ``Tuner.restore(restart_errored=True)`` gives an errored trial a new Ray id; its
     trial key finds the FAILED run, which it reopens (one child run, the new id recorded)."""
-    from trainables.tracking import TAG_KEY, TAG_TRIAL, TrialTracker
+    from trainables.tracking import TAG_KEY, TAG_SESSION, TAG_TRIAL, TrialTracker
 
     info, client = _info(tmp_path)
-    first = TrialTracker.open(info, trial_id="aaaa_00000", trial_name="dpsgd seed=0", trainable="dpsgd", key="k1")
+    first = TrialTracker.open(info, trial_id="aaaa_00000", trial_name="dpsgd seed=0", trainable="dpsgd", key="k1",
+                              session="driver1")
     first.finish("FAILED")
-    again = TrialTracker.open(info, trial_id="bbbb_00000", trial_name="dpsgd seed=0", trainable="dpsgd", key="k1")
+    again = TrialTracker.open(info, trial_id="bbbb_00000", trial_name="dpsgd seed=0", trainable="dpsgd", key="k1",
+                              session="driver2")
     assert again.run_id == first.run_id
     run = client.get_run(first.run_id)
     assert run.info.status == "RUNNING" and run.data.tags[TAG_KEY] == "k1" and run.data.tags[TAG_TRIAL] == "bbbb_00000"
-    other = TrialTracker.open(info, trial_id="bbbb_00001", trial_name="dpsgd seed=1", trainable="dpsgd", key="k2")
+    assert run.data.tags[TAG_SESSION] == "driver2"
+    other = TrialTracker.open(info, trial_id="bbbb_00001", trial_name="dpsgd seed=1", trainable="dpsgd", key="k2",
+                              session="driver2")
     assert other.run_id != first.run_id   # negative control: another trial key is another run
+
+
+def test_a_failed_run_is_not_handed_to_another_trial_of_the_same_driver(tmp_path):
+    """Two trials of one driver with one key (a user's Tuner sweeping a key the trainable drops: the
+    CI's test_sweep_e2e crash test under load): the first fails, the second starts before its retry.
+    The second opens its own run; the retry finds its own by its Ray id. Without a driver session (a
+    user's own Tuner) the key adopts nothing."""
+    from trainables.tracking import TrialTracker
+
+    info, client = _info(tmp_path)
+    crashed = TrialTracker.open(info, trial_id="cccc_00000", trial_name="t", trainable="pixeldp", key="k", session="d1")
+    crashed.finish("FAILED")
+    sibling = TrialTracker.open(info, trial_id="cccc_00001", trial_name="t", trainable="pixeldp", key="k", session="d1")
+    assert sibling.run_id != crashed.run_id
+    retry = TrialTracker.open(info, trial_id="cccc_00000", trial_name="t", trainable="pixeldp", key="k", session="d1")
+    assert retry.run_id == crashed.run_id
+    retry.finish("FAILED")
+    own_tuner = TrialTracker.open(info, trial_id="dddd_00000", trial_name="t", trainable="pixeldp", key="k")
+    assert own_tuner.run_id not in (crashed.run_id, sibling.run_id)
 
 
 def test_the_trial_key_is_the_config_and_repeat_not_the_ray_id():

@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -191,10 +192,19 @@ def finished_run_metrics(info: dict, trial_id: str, key: str | None = None) -> d
     from trainables.tracking import find_trial_run
 
     client = MlflowClient(info["tracking_uri"])
-    run = find_trial_run(client, str(info["experiment_id"]), info.get("parent_run_id"), trial_id, key)
+    run = find_trial_run(client, str(info["experiment_id"]), info.get("parent_run_id"), trial_id, key,
+                         driver_session())
     if run is None or run.info.status != "FINISHED":
         return None
     return dict(run.data.metrics)
+
+
+def driver_session() -> str | None:
+    """The dpsweep driver (``dpsweep run`` or ``resume``) this trial runs under: set by
+    ``sweeps.runner.ray_init`` for Ray's workers; None under a user's own Tuner."""
+    from trainables.tracking import SESSION_ENV
+
+    return os.environ.get(SESSION_ENV) or None
 
 
 def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable: str, *, noise_key=None) -> None:
@@ -248,7 +258,8 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         dumped = cfg.model_dump()
         name = run_name(trainable, dumped, (info.get("swept") or {}).get(trainable, ()))
         tracker = TrialTracker.open(info, trial_id=ctx.get_trial_id(), trial_name=name,
-                                    trainable=trainable, run_id=meta.get("mlflow_run_id"), key=key)
+                                    trainable=trainable, run_id=meta.get("mlflow_run_id"), key=key,
+                                    session=driver_session())
         meta["mlflow_run_id"] = tracker.run_id
         from dpmech.datasets.user_code import (
             source_params,  # a user's model/dataset: its source's hash (this attempt's: tags)

@@ -7,11 +7,13 @@ fails the trial loudly; an error that cannot succeed (an unknown run or experime
 request: ``is_permanent``) fails it at once with MLflow's own message.
 
 A trial finds its child run in this order: the run id stored in its checkpoint; an existing run
-under the same parent tagged with its trial key (``dpsweep.trial_key``: its trainable, config and
-repeat, which survive a restart: ``trainables.runtime.trial_key``), or, for a run of an earlier
-release, with its Ray trial id (a retry that crashed before its first checkpoint, an errored trial
-that ``dpsweep resume`` restarts under a new Ray trial id, a trial Tune re-creates after a driver
-crash); otherwise it creates one. A retried or restored trial therefore never opens a second run.
+under the same parent tagged with its Ray trial id (a retry that crashed before its first
+checkpoint: Tune's retries keep the id); a run tagged with its trial key (``dpsweep.trial_key``: its
+trainable, config and repeat, which survive a restart: ``trainables.runtime.trial_key``) that an
+attempt under an *earlier* dpsweep driver left FAILED or KILLED (an errored trial that ``dpsweep
+resume`` restarts under a new Ray trial id, a trial Tune re-creates after a driver crash; the
+driver's session is ``dpsweep.driver_session``); otherwise it creates one. A retried or restored
+trial therefore never opens a second run, and two trials of one driver never share one.
 
 Nothing is logged twice: a trial that reopens its run (a retry, ``dpsweep resume``) first reads
 which (metric, step) pairs the run already holds, and ``log_metrics`` skips those. An interruption
@@ -32,6 +34,8 @@ T = TypeVar("T")
 
 TAG_TRIAL = "dpsweep.trial_id"   # Ray Tune's id of the attempt that last opened the run
 TAG_KEY = "dpsweep.trial_key"    # what identifies the trial across restarts (trainables.runtime.trial_key)
+TAG_SESSION = "dpsweep.driver_session"   # the dpsweep driver (run or resume) whose attempt last opened the run
+SESSION_ENV = "DPSWEEP_DRIVER_SESSION"    # set by sweeps.runner.ray_init for its workers
 TAG_TRAINABLE = "dpsweep.trainable"
 TAG_PARENT = "mlflow.parentRunId"
 TAG_DEVICE = "dpsweep.device"
@@ -115,19 +119,20 @@ class TrialTracker:
 
     @classmethod
     def open(cls, info: dict, *, trial_id: str, trial_name: str, trainable: str,
-             run_id: str | None = None, key: str | None = None) -> "TrialTracker":
-        """Find or create the trial's child run (see the module docstring)."""
+             run_id: str | None = None, key: str | None = None, session: str | None = None) -> "TrialTracker":
+        """Find or create the trial's child run (see the module docstring); ``session``: the dpsweep
+        driver this attempt runs under (``find_trial_run``)."""
         from mlflow.tracking import MlflowClient
 
         uri, exp, parent = info["tracking_uri"], str(info["experiment_id"]), info.get("parent_run_id")
         client = MlflowClient(uri)
         if run_id is None:
-            found = find_trial_run(client, exp, parent, trial_id, key)
+            found = find_trial_run(client, exp, parent, trial_id, key, session)
             if found is not None:
                 run_id = found.info.run_id
         if run_id is None:
             tags = {TAG_TRIAL: trial_id, TAG_TRAINABLE: trainable, "mlflow.runName": trial_name,
-                    **({TAG_KEY: key} if key else {})}
+                    **({TAG_KEY: key} if key else {}), **({TAG_SESSION: session} if session else {})}
             if parent:
                 tags[TAG_PARENT] = parent
             run = retry(lambda: client.create_run(exp, tags=tags, run_name=trial_name), what="create_run")
@@ -135,6 +140,8 @@ class TrialTracker:
             return cls(uri, exp, parent, run_id, fresh=True)
         retry(lambda: client.update_run(run_id, status="RUNNING"), what="update_run")
         retry(lambda: client.set_tag(run_id, TAG_TRIAL, trial_id), what="set_tag(trial id)")
+        if session:
+            retry(lambda: client.set_tag(run_id, TAG_SESSION, session), what="set_tag(driver session)")
         return cls(uri, exp, parent, run_id, logged=_logged_points(client, run_id))
 
     def log_params(self, params: dict[str, Any], tags: dict[str, str] | None = None) -> None:
@@ -175,21 +182,30 @@ class TrialTracker:
         retry(lambda: self.client.set_terminated(self.run_id, status=status), what="set_terminated")
 
 
-def find_trial_run(client, experiment_id: str, parent: str | None, trial_id: str, key: str | None = None):
+def find_trial_run(client, experiment_id: str, parent: str | None, trial_id: str, key: str | None = None,
+                   session: str | None = None):
     """The trial's child run under ``parent``: the one tagged with its Ray trial id (this attempt's
-    lineage), else one tagged with its trial key that an attempt left FAILED or KILLED (the trial
-    restarted under a new Ray id by ``dpsweep resume``). A RUNNING or FINISHED run with the key may
-    belong to another trial of the same config (a user's own Tuner may run such trials, side by side
-    or one after the other): never shared. None when there is none."""
+    lineage: Tune's retries keep the id), else one tagged with its trial key that an attempt of an
+    *earlier driver* left FAILED or KILLED (``dpsweep resume`` restarts an errored trial under a new
+    Ray id). The key is consulted only with a ``session`` (the dpsweep driver this attempt runs
+    under; ``sweeps.runner.ray_init`` sets it) and only for a run another session opened last: within
+    one driver two trials may share a key (a user's own Tuner sweeping a key the trainable drops, an
+    Optuna proposal made twice), and one of them failing must not hand its run to the other. A
+    RUNNING or FINISHED run with the key is never shared. None when there is none."""
     scope = f" and tags.`{TAG_PARENT}` = '{parent}'" if parent else ""
-    searches = [f"tags.`{TAG_TRIAL}` = '{trial_id}'"]
-    if key:
-        searches += [f"tags.`{TAG_KEY}` = '{key}' and attributes.status = '{s}'" for s in ("FAILED", "KILLED")]
-    for flt in searches:
-        found = retry(lambda: client.search_runs([experiment_id], filter_string=flt + scope, max_results=1,
-                                                 order_by=["attributes.start_time ASC"]), what="search_runs(trial)")
-        if found:
-            return found[0]
+
+    def search(flt: str, most: int = 1):
+        return retry(lambda: client.search_runs([experiment_id], filter_string=flt + scope, max_results=most,
+                                                order_by=["attributes.start_time ASC"]), what="search_runs(trial)")
+
+    found = search(f"tags.`{TAG_TRIAL}` = '{trial_id}'")
+    if found:
+        return found[0]
+    if key and session:
+        for status in ("FAILED", "KILLED"):
+            for run in search(f"tags.`{TAG_KEY}` = '{key}' and attributes.status = '{status}'", 50):
+                if run.data.tags.get(TAG_SESSION) != session:
+                    return run
     return None
 
 
