@@ -581,8 +581,8 @@ def envelope(units: list[dict], row: str, methods=None) -> dict | None:
     """The top-level entry of ``row``: per headline radius ([0, 1] domain), the configuration (method,
     sigma) of the highest mean certified accuracy over its seeds among the test-split units at the
     row's N (``envelope_n``); mean, sample std, seeds, epsilons, which configuration and why.
-    When validation units of the row exist, each radius takes the configuration best on them
-    (``selection: validation``); otherwise the best on the certified images themselves, Cohen et
+    When validation units of the row cover every configuration of the row, each radius takes the
+    configuration best on them (``selection: validation``); otherwise the best on the certified images themselves, Cohen et
     al.'s per-radius envelope over sigma, reported as a tuning choice (``selection``). ``methods``: the
     methods it runs over (default: the DP-SGD methods of ``METHODS``; another mechanism's units have
     rows of their own, ``mechanism_rows``)."""
@@ -607,8 +607,11 @@ def envelope(units: list[dict], row: str, methods=None) -> dict | None:
     out = {"cert_acc": {}, "cert_acc_std": {}, "seeds_per_radius": {}, "config": {}, "radius_domain": "[0, 1]",
            "n": n, "n0": mine[0]["n0"], "alpha": mine[0]["alpha"], "images": mine[0]["images"]}
     chosen_by = []
+    # validation chooses only among configurations it covers all of: a partial validation grid would
+    # otherwise discard the configurations it did not run (e.g. the sigma best at small radii)
+    covered = bool(val) and set(groups) <= set(val)
     for r in map(key01, HEADLINE_RADII_01):
-        candidates = [g for g in groups if g in val] if val else []
+        candidates = list(groups) if covered else []
         if candidates:
             best = max(candidates, key=lambda g: mean_at(val[g], r))
             chosen_by.append("validation")

@@ -80,6 +80,9 @@ def test_envelope_takes_the_best_sigma_per_radius_and_prefers_validation():
     e = bench.envelope(units + val, "eps_3")
     assert e["cert_acc"]["0.5"] == 80 and e["config"]["0.5"]["sigma_01"] == 1.0
     assert e["selection"].startswith("per radius, the configuration best on the validation split")
+    # validation of one sigma only: it cannot choose between sigmas; the row stays the test envelope
+    e = bench.envelope(units + val[1:], "eps_3")
+    assert e["cert_acc"]["0.5"] == 95.5 and "tuning choice" in e["selection"]
     assert bench.envelope(units, "eps_1") is None
 
 
