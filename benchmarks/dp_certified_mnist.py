@@ -17,7 +17,9 @@ skipped; ``claimed_unit`` lets several processes share the grid); training check
 under ``--ckpt-dir`` (outside the repository: it holds the secret noise generator's state), and the
 trained weights and training record go to ``dp_certified_mnist/models/``, so that an interrupted
 certification, or a unit at another N (100,000 after 10,000), certifies the same model without
-training again.
+training again; a certification records each finished chunk of images in
+``dp_certified_mnist/progress/<unit>.cert.json`` (public: commit it, and a certification cut by the end
+of a session resumes on another machine).
 
 Domains: dpsweep's inputs are in [-1, 1]; the literature's l2 radii and sigmas are in [0, 1]
 pixels. radius_[0,1] = radius_[-1,1] / 2 and sigma likewise; every key says its domain (``_01``,
@@ -206,9 +208,12 @@ CERT_BATCH = 256     # noisy images per forward pass: the fastest on this CPU (F
 CERT_CHUNK = 20      # certified images per progress record
 
 
-def cert_progress(ckpt: Path | None) -> Path | None:
-    """The certification progress file beside a unit's training checkpoint (None: not recorded)."""
-    return None if ckpt is None else ckpt.with_name(ckpt.stem + ".cert.json")
+def cert_progress(runs: Path, stem: str) -> Path:
+    """The certification progress file of unit ``stem``: ``<runs>/progress/<stem>.cert.json``, beside the
+    unit files and not beside the training checkpoint, because it holds nothing secret (the smoothing noise
+    is a public stream, ``chunk_generator``) and so can be committed: a certification cut by the end of a
+    session resumes on another machine. Deleted once the unit's file is written (it holds every image)."""
+    return runs / "progress" / f"{stem}.cert.json"
 
 
 def chunk_generator(seed: int, chunk: int) -> torch.Generator:
@@ -298,19 +303,20 @@ def certify_model(model, sigma01: float, x, y, n: int, seed: int, n0: int = N0, 
 def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str = "test", n: int = 100_000,
              cert_images: int = 500, train_size: int | None = None, epochs: int | None = None,
              n0: int = N0, ckpt: Path | None = None, device=torch.device("cpu"), batch_size: int | None = None,
-             bk_prefer: str = "measured", models: Path | None = None) -> dict:
+             bk_prefer: str = "measured", models: Path | None = None, progress: Path | None = None) -> dict:
     """Train one unit, certify it, return its results (see the module docstring). ``models``: the
     folder of trained models: ``<model>.pt`` (the weights only: a DP release, nothing of the
     secret noise) and ``<model>.json`` (the training record) are written there once trained, and a
     unit whose model is already there is certified without training again (e.g. N = 100,000 on a
-    model trained for an N = 10,000 unit)."""
+    model trained for an N = 10,000 unit). ``progress``: the certification's progress file
+    (``cert_progress``; None: not recorded)."""
     from dpmech.dpsgd.certified import DPCertTrainer
     from dpmech.dpsgd.trainer import build_dpsgd_model
 
     if method in MECHANISMS:
         return run_mechanism_unit(method, eps_row, sigma01, seed, split=split, n=n, cert_images=cert_images,
                                   train_size=train_size, epochs=epochs, n0=n0, ckpt=ckpt, device=device,
-                                  batch_size=batch_size, models=models)
+                                  batch_size=batch_size, models=models, progress=progress)
     x, y, xt, yt, xc, yc, cert_idx = load_data(split, train_size, cert_images)
     over = {k: v for k, v in (("epochs", epochs), ("batch_size", batch_size)) if v}
     cfg, recipe = make_config(eps_row, method, sigma01, seed, over)
@@ -328,7 +334,7 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
         log(f"[{label}] the trained model {name} reused (no training)")
         out = {"unit": unit_stem(method, eps_row, sigma01, seed, split, n), **record, "model": name,
                "cert_index": [int(i) for i in cert_idx], "plain_inference_img_s": plain_inference_img_s(model, xt)}
-        out.update(certify_model(model, sigma01, xc, yc, n, seed, n0=n0, progress=cert_progress(ckpt), label=label))
+        out.update(certify_model(model, sigma01, xc, yc, n, seed, n0=n0, progress=progress, label=label))
         return out
     trainer = DPCertTrainer(build_dpsgd_model("mnist", seed, recipe["model"]), x, y, cfg, device=device,
                             bk_prefer=bk_prefer)
@@ -372,7 +378,7 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
     out["plain_inference_img_s"] = plain_inference_img_s(model, xt)
     log(f"[{label}] trained: acc_clean {out['acc_clean']:.2f}%, epsilon {out['epsilon']}; certifying "
         f"{xc.shape[0]} images at N = {n}")
-    out.update(certify_model(model, sigma01, xc, yc, n, seed, n0=n0, progress=cert_progress(ckpt), label=label))
+    out.update(certify_model(model, sigma01, xc, yc, n, seed, n0=n0, progress=progress, label=label))
     log(f"[{label}] certified ([0, 1] radii): " + ", ".join(f"{r}: {out['cert_acc_01'][r]:.1f}"
                                                           for r in map(key01, HEADLINE_RADII_01))
         + f" ({out['cert_seconds']:.0f}s, {out['cert_img_s']:.2f} img/s)")
@@ -471,7 +477,8 @@ def base_accuracy(base, x: torch.Tensor, y: torch.Tensor, batch: int = 2000) -> 
 def run_mechanism_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str = "test",
                        n: int = 100_000, cert_images: int = 500, train_size: int | None = None,
                        epochs: int | None = None, n0: int = N0, ckpt: Path | None = None,
-                       device=torch.device("cpu"), batch_size: int | None = None, models: Path | None = None) -> dict:
+                       device=torch.device("cpu"), batch_size: int | None = None, models: Path | None = None,
+                       progress: Path | None = None) -> dict:
     """``run_unit`` for ``dpal_sound``, ``secure_sgd`` and ``pixeldp`` (``MECHANISMS``): the same data,
     certified subset, CERTIFY, unit file, per-epoch checkpoint and model reuse as the DP-SGD units."""
     import json
@@ -493,7 +500,7 @@ def run_mechanism_unit(method: str, eps_row: str, sigma01: float, seed: int, *, 
         log(f"[{label}] the trained model {name} reused (no training)")
         out = {**head, **record, "model": name, "plain_inference_img_s": plain_inference_img_s(base, xt)}
         out.update(certify_model(base, sigma01, xc, yc, n, seed, n0=n0, sigma_pm1=sigma_pm1,
-                                 progress=cert_progress(ckpt), label=label))
+                                 progress=progress, label=label))
         return out
     if method == "dpal_sound":
         from dpmech.dpal_sound.trainer import DPALSoundTrainer
@@ -559,7 +566,7 @@ def run_mechanism_unit(method: str, eps_row: str, sigma01: float, seed: int, *, 
     log(f"[{label}] trained: acc_clean {out['acc_clean']:.2f}%, epsilon {out['epsilon']}; certifying "
         f"{xc.shape[0]} images at N = {n}, sigma_pm1 {sigma_pm1:.4g}")
     out.update(certify_model(base, sigma01, xc, yc, n, seed, n0=n0, sigma_pm1=sigma_pm1,
-                                 progress=cert_progress(ckpt), label=label))
+                                 progress=progress, label=label))
     log(f"[{label}] certified ([0, 1] radii): " + ", ".join(f"{r}: {out['cert_acc_01'][r]:.1f}"
                                                           for r in map(key01, HEADLINE_RADII_01)))
     return out
@@ -1004,16 +1011,16 @@ def main(argv=None) -> dict | None:
             if path is None:
                 continue
             kw = dict(split=args.split, n=args.n, cert_images=args.cert_images, ckpt=args.ckpt_dir / f"{stem}.pt",
-                      models=runs / "models")
+                      models=runs / "models", progress=cert_progress(runs, stem))
             if demo:
                 kw.update(train_size=512, epochs=1, batch_size=128, n0=20, ckpt=None, bk_prefer="mixed")
             result = run_unit(method, row, sigma, seed, **kw)
             write_result(NAME, result, out=path)
             p = summarize(runs, args.out)
             log(f"wrote {path} and {p}")
+            cert_progress(runs, stem).unlink(missing_ok=True)     # the unit file holds every image now
             if not demo:
-                for done in (args.ckpt_dir / f"{stem}.pt", cert_progress(args.ckpt_dir / f"{stem}.pt")):
-                    done.unlink(missing_ok=True)
+                (args.ckpt_dir / f"{stem}.pt").unlink(missing_ok=True)
     return read_result(args.out or RESULTS / f"{NAME}.json")
 
 

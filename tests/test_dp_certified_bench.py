@@ -186,6 +186,27 @@ def test_a_unit_at_another_n_certifies_the_trained_model_without_training(demo, 
     assert json.loads(demo.read_text())["eps_3"]["n"] == 200      # the top level takes the largest N run
 
 
+def test_the_progress_file_lives_beside_the_units_and_goes_when_the_unit_lands(demo, monkeypatch):
+    """A certification records its chunks under ``<runs>/progress/`` (public, committed when a session ends
+    mid-certification, so another machine resumes it), never beside the secret training checkpoint; the
+    unit's own file replaces it."""
+    runs = demo.with_suffix("")
+    seen = []
+    real = bench.certify_model
+
+    def recording(*a, progress=None, **kw):
+        out = real(*a, progress=progress, **kw)
+        seen.append((progress, progress is not None and progress.exists()))
+        return out
+
+    monkeypatch.setattr(bench, "certify_model", recording)
+    bench.main(["--demo", "--out", str(demo), "--methods", "dpcert", "--epsilons", "3", "--sigmas", "0.5",
+                "--n", "50"])
+    (progress, existed), = seen
+    assert progress == runs / "progress" / "dpcert_eps_3_sigma01-0.5_n50_seed0.cert.json" and existed
+    assert not progress.exists() and (runs / "dpcert_eps_3_sigma01-0.5_n50_seed0.json").exists()
+
+
 def test_an_interrupted_certification_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
     """CERTIFY in chunks with a progress file: killed after its first chunk, a rerun certifies only the
     rest and ends with the figures an uninterrupted run gives; another model starts afresh."""
