@@ -138,7 +138,7 @@ def unit_stem(method: str, eps_row: str, sigma01: float, seed: int, split: str, 
 
 TRAINING_KEYS = ("method", "epsilon_row", "seed", "split", "sigma_01", "sigma_pm1", "config", "train_images",
                  "epsilon", "epsilon_pld", "delta", "noise_multiplier", "steps", "epoch_seconds", "threads",
-                 "acc_clean", "epsilon_delta_1e-6")
+                 "acc_clean", "epsilon_delta_1e-6", "fresh_secret_at_epochs")
 MECH_CONFIG_KEYS = ("smoothing_sigma", "xi", "mu_max", "attack_bound", "robustness_epsilon", "robustness_delta",
                     "noise_after", "optimizer")    # the other mechanisms' keys shown beside their figures
 MECHANISM_KEYS = ("mechanism", "epsilon_protects", "sigma_pm1_certified", "robustness")   # other mechanisms' records
@@ -214,6 +214,41 @@ def cert_progress(runs: Path, stem: str) -> Path:
     is a public stream, ``chunk_generator``) and so can be committed: a certification cut by the end of a
     session resumes on another machine. Deleted once the unit's file is written (it holds every image)."""
     return runs / "progress" / f"{stem}.cert.json"
+
+
+# What a DP-SGD trainer's checkpoint holds that must stay secret: the Poisson sampling's and the noise's
+# generators (their states replay the draws the guarantee rests on). The rest (weights, optimizer, ledger,
+# counters, the public augmentation stream, bk routes) is a function of the released noisy steps.
+SECRET_STATE = ("sample_gen", "noise_gen")
+
+
+def public_checkpoint(progress: Path, model_name: str) -> Path:
+    """The public training checkpoint of a model, beside the certification progress files:
+    ``<runs>/progress/<model>.train.pt``."""
+    return progress.parent / f"{model_name}.train.pt"
+
+
+def public_state(state: dict) -> dict:
+    """A training checkpoint without its secret (``SECRET_STATE``): what may be committed when a session ends
+    mid-training. DP-SGD's accounting composes every step's released noisy gradient adaptively, so the
+    iterate, its momentum and the ledger after epoch e are post-processing of what the guarantee already
+    covers (Abadi et al. 2016, the moments accountant's adaptive composition)."""
+    return {**state, "trainer": {k: v for k, v in state["trainer"].items() if k not in SECRET_STATE}}
+
+
+def resume_public(trainer, path: Path) -> tuple[list, list]:
+    """Continue training from a public checkpoint: its weights, optimizer, ledger and counters with the
+    trainer's *own* sampling and noise generators, i.e. fresh secret randomness from this process's key
+    (the steps to come are the same subsampled Gaussian mechanism, independent of the ones before, and
+    compose with them in the ledger; only bit-for-bit equality with an uninterrupted run is lost). Returns
+    (epoch seconds so far, the epochs at which fresh secrets were drawn, this one appended)."""
+    saved = torch.load(path, weights_only=False)
+    if any(k in saved["trainer"] for k in SECRET_STATE):
+        raise SystemExit(f"{path}: a public checkpoint holds a secret generator state; refused")
+    state = trainer.state_dict()
+    state.update(saved["trainer"])
+    trainer.load_state_dict(state)
+    return saved["epoch_seconds"], [*saved.get("fresh_secret_at_epochs", []), trainer.epoch]
 
 
 def chunk_generator(seed: int, chunk: int) -> torch.Generator:
@@ -338,12 +373,17 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
         return out
     trainer = DPCertTrainer(build_dpsgd_model("mnist", seed, recipe["model"]), x, y, cfg, device=device,
                             bk_prefer=bk_prefer)
-    epoch_seconds = []
+    epoch_seconds, fresh_at = [], []
+    public = None if progress is None else public_checkpoint(progress, name)
     if ckpt is not None and ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)      # our own file (generator states, ledger)
         trainer.load_state_dict(saved["trainer"])
-        epoch_seconds = saved["epoch_seconds"]
+        epoch_seconds, fresh_at = saved["epoch_seconds"], saved.get("fresh_secret_at_epochs", [])
         log(f"[{label}] resumed at epoch {trainer.epoch}")
+    elif public is not None and public.exists():
+        epoch_seconds, fresh_at = resume_public(trainer, public)
+        log(f"[{label}] resumed at epoch {trainer.epoch} from the public checkpoint {public.name}, with this "
+            "process's fresh secret sampling and noise")
     log(f"[{label}] {cfg.epochs} epochs, k={cfg.augment_multiplicity}, lambda={cfg.consistency_weight}, "
         f"q={trainer.plan.sampling_rate:.5f}, noise multiplier {trainer.noise_multiplier:.4f}, {x.shape[0]} images")
     while trainer.epoch < cfg.epochs:
@@ -352,10 +392,12 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
         epoch_seconds.append(time.perf_counter() - t0)
         log(f"[{label}] epoch {trainer.epoch}/{cfg.epochs} loss {stats['train_loss']:.4f} "
             f"train_acc {stats['train_acc']:.4f} ({epoch_seconds[-1]:.0f}s)")
-        if ckpt is not None:
-            ckpt.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"trainer": trainer.state_dict(), "epoch_seconds": epoch_seconds}, ckpt.with_suffix(".tmp"))
-            ckpt.with_suffix(".tmp").replace(ckpt)
+        state = {"trainer": trainer.state_dict(), "epoch_seconds": epoch_seconds, "fresh_secret_at_epochs": fresh_at}
+        for path, st in ((ckpt, state), (public, public_state(state))):
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(st, path.with_suffix(".tmp"))
+                path.with_suffix(".tmp").replace(path)
     model = trainer.model.eval()
     p = trainer.privacy()
     out = {"unit": unit_stem(method, eps_row, sigma01, seed, split, n), "method": method, "epsilon_row": eps_row,
@@ -365,7 +407,8 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
            "epsilon_pld": p["epsilon_pld"] if math.isfinite(p["epsilon_pld"]) else None,
            "delta": p["delta"], "noise_multiplier": p["noise_multiplier"], "steps": p["steps"],
            "epoch_seconds": epoch_seconds, "threads": torch.get_num_threads(),
-           "acc_clean": 100.0 * trainer.accuracy(xt, yt), "cert_index": [int(i) for i in cert_idx]}
+           "acc_clean": 100.0 * trainer.accuracy(xt, yt), "cert_index": [int(i) for i in cert_idx],
+           "fresh_secret_at_epochs": fresh_at}
     eps6 = trainer.ledger.epsilon(1e-6, "rdp") if cfg.private else math.inf
     out["epsilon_delta_1e-6"] = eps6 if math.isfinite(eps6) else None
     if models is not None:
@@ -375,6 +418,8 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
         torch.save(model.state_dict(), models / f"{name}.pt")
         (models / f"{name}.json").write_text(json.dumps({k: out[k] for k in TRAINING_KEYS}, indent=1) + "\n")
         out["model"] = name
+    if public is not None:
+        public.unlink(missing_ok=True)            # the trained model replaces it
     out["plain_inference_img_s"] = plain_inference_img_s(model, xt)
     log(f"[{label}] trained: acc_clean {out['acc_clean']:.2f}%, epsilon {out['epsilon']}; certifying "
         f"{xc.shape[0]} images at N = {n}")

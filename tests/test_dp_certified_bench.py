@@ -207,6 +207,44 @@ def test_the_progress_file_lives_beside_the_units_and_goes_when_the_unit_lands(d
     assert not progress.exists() and (runs / "dpcert_eps_3_sigma01-0.5_n50_seed0.json").exists()
 
 
+def test_training_resumes_on_another_machine_from_a_public_checkpoint_with_fresh_secrets(tmp_path, monkeypatch):
+    """Each epoch also writes a checkpoint without the sampling and noise generators (committable); where the
+    secret checkpoint is gone (another machine), training resumes from it with the new process's own secret
+    draws, the ledger continuing: the epsilon is the uninterrupted run's, the draws after the cut are not
+    the secret checkpoint's, and the public file goes once the model is trained."""
+    import torch
+
+    from dpmech.dpsgd.certified import DPCertTrainer
+
+    kw = dict(n=50, cert_images=4, train_size=512, epochs=2, batch_size=128, n0=10, bk_prefer="mixed")
+    runs, ckpt = tmp_path / "runs", tmp_path / "secret" / "u.pt"
+    progress = bench.cert_progress(runs, "u")
+    public = bench.public_checkpoint(progress, bench.unit_stem("dpcert", "eps_3", 0.5, 0, "test", None))
+    real, epochs = DPCertTrainer.train_epoch, []
+
+    def dies_in_second_epoch(self):
+        if len(epochs) == 1:
+            raise KeyboardInterrupt
+        epochs.append(1)
+        return real(self)
+
+    monkeypatch.setattr(DPCertTrainer, "train_epoch", dies_in_second_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_unit("dpcert", "eps_3", 0.5, 0, ckpt=ckpt, models=runs / "models", progress=progress, **kw)
+    saved = torch.load(public, weights_only=False)
+    assert not set(bench.SECRET_STATE) & set(saved["trainer"]) and saved["trainer"]["epoch"] == 1
+    secret = torch.load(ckpt, weights_only=False)["trainer"]
+    assert set(bench.SECRET_STATE) <= set(secret)                 # the secret one keeps them (same machine)
+    ckpt.unlink()                                                 # another machine: only the public file
+    monkeypatch.setattr(DPCertTrainer, "train_epoch", real)
+    out = bench.run_unit("dpcert", "eps_3", 0.5, 0, ckpt=ckpt, models=runs / "models", progress=progress, **kw)
+    assert out["fresh_secret_at_epochs"] == [1] and len(out["epoch_seconds"]) == 2
+    assert out["steps"] == 2 * 4 and out["epsilon"] <= 3.0 + 1e-9     # the ledger went on from epoch 1
+    after = torch.load(ckpt, weights_only=False)["trainer"]            # the resumed run's own secret draws
+    assert not torch.equal(after["noise_gen"], secret["noise_gen"])
+    assert not public.exists() and (runs / "models" / public.name.replace(".train.pt", ".pt")).exists()
+
+
 def test_an_interrupted_certification_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
     """CERTIFY in chunks with a progress file: killed after its first chunk, a rerun certifies only the
     rest and ends with the figures an uninterrupted run gives; another model starts afresh."""
