@@ -112,6 +112,27 @@ def test_docs_table_states_n_images_domains_and_met_or_missed(tmp_path):
     assert "old" not in doc.read_text() and "94.5" in doc.read_text()
 
 
+def test_dp_certs_noise_multiplier_is_a_row_of_its_own_without_a_target():
+    """``--epsilons dpcert-noise``: DP-SGD at DP-CERT's noise multiplier (1.23, batch 512, 40 epochs), the
+    epsilon computed from what ran (2.90 at delta 1e-6 by the RDP ledger: below the eps 3 row's 3.34); its
+    own summary row and docs row beside the anchor, not judged against the eps 3 targets."""
+    from dpmech.privacy.accounting import PrivacyLedger
+
+    cfg, _ = bench.make_config(bench.EPSILONS["dpcert-noise"], "dpcert", 0.5, 0)
+    assert cfg.private and cfg.epsilon is None and cfg.noise_multiplier == 1.23
+    assert (cfg.epochs, cfg.batch_size, cfg.augment_multiplicity) == (40, 512, 4)
+    ledger = PrivacyLedger()
+    ledger.record(512 / 60000, 1.23, 40 * 118)
+    assert ledger.epsilon(1e-6, "rdp") == pytest.approx(2.90, abs=0.01)
+    units = [_unit("dpcert", 0.5, 0, [93.0, 80.0, 50.0, 5.0], row="dp_cert_noise")]
+    e = bench.envelope(units, "dp_cert_noise")
+    assert e["target"] is None and bench.envelope(units, "eps_3") is None
+    table = bench.docs_table({"dp_cert_noise": e})
+    row = next(line for line in table.splitlines() if "noise multiplier 1.23" in line)
+    assert "93.0 (dpcert, sigma_01 0.5)" in row and "target" not in row
+    assert "noise multiplier" not in bench.docs_table({})                # listed only once run
+
+
 def test_shipped_spec_at_its_local_subset_builds_and_steps_every_kind_of_trial():
     """sweeps/dp_certified_mnist.yaml with the subset its comment suggests: it validates and each
     distinct training method of its grid (k = 1, k = 4, k = 4 with consistency; dpal_sound, secure_sgd,
