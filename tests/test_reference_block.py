@@ -81,6 +81,25 @@ def test_matching_compares_configured_values():
     assert not reference_matches({"norm": "l2"}, {"norm": "l1"})
 
 
+def test_a_non_private_point_matches_the_trials_whose_epsilon_was_logged_as_none():
+    """``where: {epsilon: null}`` (a non-private anchor) against the report's trial rows, where MLflow's
+    ``None`` reads back as NaN: measured and drawn, while epsilon-3 trials are not taken for it."""
+    import pandas as pd
+
+    from sweeps.report.data import measured
+    from sweeps.report.plots import _matches_any
+
+    where = {"trainable": "dpsgd", "epsilon": None, "augment_multiplicity": 1}
+    rows = [{"run": r, "trainable": "dpsgd", "status": "FINISHED", "param.epsilon": eps,
+             "param.augment_multiplicity": k, "smooth_cert_acc_1": acc}
+            for r, eps, k, acc in (("a", float("nan"), 1.0, 0.9), ("b", float("nan"), 1.0, 0.8),
+                                   ("c", 3.0, 1.0, 0.5), ("d", float("nan"), 4.0, 0.1))]
+    trials = pd.DataFrame(rows)
+    mean, _, n = measured(trials, where, "smooth_cert_acc_1")
+    assert (mean, n) == (pytest.approx(0.85), 2)
+    assert _matches_any(trials, where) and not _matches_any(trials.iloc[2:3], where)
+
+
 def test_round_trip_through_the_parent_params():
     params = spec_to_flat_params(spec(REF))
     assert params["reference.points.0.metrics.cert_acc_0.2"] == "0.85"

@@ -144,6 +144,35 @@ def test_the_table_at_the_literature_radii_beside_the_anchors(drawn):
     assert "tuning choice" in text and "protects no training data" in text and "docs/secure_sgd.md" in text
 
 
+def test_a_curve_is_named_by_what_tells_it_from_its_family_not_by_other_trainables_keys(tmp_path, monkeypatch):
+    """A key only the trainables differ in (lr 0.5 for DP-SGD, 0.05 for PixelDP) names no curve: a curve's
+    label is what varies within its family (or, alone there, among its trainable's configurations); the
+    x axis reaches the published points when the sweep's models certify smaller radii."""
+    from sweeps.report import plots as rp
+    from sweeps.report.certified import certified_radius_section, smoothing_groups
+    from sweeps.report.data import Sweep
+
+    sweep = _sweep()
+    trials = sweep.trials.copy()
+    trials["param.lr"] = [0.05 if t == "pixeldp" else 0.5 for t in trials["trainable"]]
+    trials["param.attack_norm"] = ["linf" if t == "pixeldp" else "l2" for t in trials["trainable"]]
+    sweep = Sweep(None, "e", "sqlite://", None, trials, sweep.tables)
+    labels = {(g["family"], g["label"]) for g in smoothing_groups(sweep)}
+    assert labels == {("dpsgd eps 3", "noise_augmentation_sigma=0.5"), ("dpsgd eps 3", "noise_augmentation_sigma=1"),
+                      ("dpsgd non-private", "noise_augmentation_sigma=0.5"),
+                      ("pixeldp robustness eps 1", "pixeldp"), ("secure_sgd eps 2", "secure_sgd")}
+    assert all("lr" in g["config"] for g in smoothing_groups(sweep))      # the table still has the sweep's keys
+    figs = {}
+    real = rp._save
+    monkeypatch.setattr(rp, "_save", lambda fig, axes, path, **kw: (figs.setdefault(path.name, fig),
+                                                                    real(fig, axes, path, **kw)))
+    refs = [{"point": "far", "metric": "smooth_cert_acc_4", "published": 0.3,
+             "_where": {"trainable": "dpsgd", "epsilon": 3.0}}]
+    certified_radius_section(sweep, refs, tmp_path)
+    ax = figs["certified_radius.png"].axes[0]
+    assert ax.get_xlim()[1] >= 2.0           # the point at the [0, 1] radius 2.0 is on the chart
+
+
 def test_no_smoothing_table_no_section(tmp_path):
     from sweeps.report.certified import certified_radius_section
     from sweeps.report.data import Sweep

@@ -161,8 +161,18 @@ def smoothing_groups(sweep: Sweep) -> list[dict]:
             "sigma01": _sigma01(row), "rows": [], "tables": []})
         g["rows"].append(row)
         g["tables"].append(table)
+    # a curve's label names what tells it from the other configurations of its family (the legend prefixes
+    # the family: trainable and epsilon), or, alone in its family, from the trainable's other configurations;
+    # never a key only another trainable varies. The sweep-wide keys stay in ``config`` (table, envelope).
+    def differing(members: list[dict]) -> list[str]:
+        return [k for k in dict.fromkeys(k for g in members for k in g["config"])
+                if len({_value(g["config"].get(k)) for g in members}) > 1]
+
+    by = lambda key: {g[key]: [h for h in groups.values() if h[key] == g[key]] for g in groups.values()}  # noqa: E731
+    families, trainables = by("family"), by("trainable")
     for g in groups.values():
-        g["label"] = " ".join(f"{k}={_value(v)}" for k, v in g["config"].items()) or g["trainable"]
+        keys = differing(families[g["family"]]) or differing(trainables[g["trainable"]])
+        g["label"] = " ".join(f"{k}={_value(g['config'][k])}" for k in keys if k in g["config"]) or g["trainable"]
     return [groups[k] for k in sorted(groups)]
 
 
@@ -280,7 +290,9 @@ def draw_radius_figure(curves: list[RadiusCurve], path: Path, *, anchors=(), not
     top = ax.secondary_xaxis("top", functions=(lambda r: 2.0 * r, lambda r: r / 2.0))
     top.set_xlabel(TOP_XLABEL, fontsize=8)
     ax.set_ylabel("certified accuracy" + (" (mean over repeats)" if any(c.n > 1 for c in curves) else ""))
-    ax.set_xlim(0.0, float(max(c.radii01[-1] for c in curves)))
+    # the published points stay on the chart when the sweep's models certify smaller radii
+    reach = max([float(c.radii01[-1]) for c in curves] + [1.04 * float(x) for _, pts in anchors for x, _ in pts])
+    ax.set_xlim(0.0, reach)
     fit_ylim(ax)
     ax.grid(alpha=0.3)
     import textwrap

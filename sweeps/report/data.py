@@ -465,6 +465,17 @@ def with_metric(trials, metric: str):
     return out
 
 
+def trial_config(row) -> dict:
+    """A trial row's configured values, as a reference point's ``where`` names them: ``trainable`` and the
+    ``param.`` columns without the prefix; a missing value (NaN: a key logged as None, e.g. a non-private
+    run's ``epsilon: null``, or one its trainable lacks) as None, so that ``where: {epsilon: null}`` matches."""
+    out = {"trainable": row.get("trainable")}
+    for c, v in row.items():
+        if str(c).startswith("param."):
+            out[c[len("param."):]] = None if isinstance(v, float) and math.isnan(v) else v
+    return out
+
+
 def measured(trials, where: dict, metric: str) -> tuple[float, float, int]:
     """(mean, sd, n) of ``metric`` over the finished trials whose configured values match a
     ``reference`` point's ``where`` (sweeps.spec.reference_matches)."""
@@ -477,9 +488,7 @@ def measured(trials, where: dict, metric: str) -> tuple[float, float, int]:
         return math.nan, math.nan, 0
     vals = []
     for _, row in df.iterrows():
-        config = {"trainable": row.get("trainable"),
-                  **{c[len("param."):]: row[c] for c in df.columns if str(c).startswith("param.")}}
-        if reference_matches(where, config) and math.isfinite(float(row[metric])):
+        if reference_matches(where, trial_config(row)) and math.isfinite(float(row[metric])):
             vals.append(float(row[metric]))
     arr = np.array(vals, dtype=np.float64)
     if not len(arr):

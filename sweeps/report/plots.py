@@ -182,12 +182,10 @@ def _sd(values) -> np.ndarray:
 
 def _matches_any(trials, where: dict) -> bool:
     """Some finished trial of ``trials`` (those a figure draws) has the point's configured values."""
+    from sweeps.report.data import trial_config
     from sweeps.spec.sweep_spec import reference_matches
 
-    df = finished(trials)
-    params = [c for c in df.columns if str(c).startswith("param.")]
-    return any(reference_matches(where, {"trainable": r.get("trainable"), **{c[len("param."):]: r[c] for c in params}})
-               for r in df.to_dict("records"))
+    return any(reference_matches(where, trial_config(r)) for r in finished(trials).to_dict("records"))
 
 
 def _ref_x(trials, where: dict, col: str) -> float:
@@ -201,11 +199,11 @@ def _ref_x(trials, where: dict, col: str) -> float:
     if col.startswith("param.") and col[len("param."):] in where:
         return _num(where[col[len("param."):]])
     if col.startswith("param."):
+        from sweeps.report.data import trial_config
         from sweeps.spec.sweep_spec import reference_matches
 
-        vals = [_num(r[col]) for _, r in finished(trials).iterrows() if col in r and reference_matches(
-            where, {"trainable": r.get("trainable"),
-                    **{c[len("param."):]: r[c] for c in trials.columns if str(c).startswith("param.")}})]
+        vals = [_num(r[col]) for _, r in finished(trials).iterrows()
+                if col in r and reference_matches(where, trial_config(r))]
         vals = [v for v in vals if math.isfinite(v)]
         return float(np.mean(vals)) if vals else math.nan
     return measured(trials, where, col)[0]
