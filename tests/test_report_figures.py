@@ -163,3 +163,20 @@ def test_a_one_mechanism_sweep_has_the_same_conventions_in_every_figure_and_no_d
     assert not any("DPAL paper" in t or "onventional" in t for t in titles), titles
     assert any(t.startswith("Accuracy against epsilon under each attack (size 0.2, l-inf, [-1, 1] domain)")
                for t in titles), titles
+
+
+def test_a_legend_names_a_series_by_what_varies_within_its_trainable():
+    """Two trainables whose defaults differ (lr 0.5 against 0.05, norm linf against l2) but which each sweep
+    only max_grad_norm / attack_bound: the legend's series say the trainable and its own swept key, not the
+    keys that only tell the trainables apart (those made a multi-mechanism sweep's legends overflow the
+    figure)."""
+    from sweeps.report.data import aggregate
+    from sweeps.report.plots import _series
+
+    a = _trials("dpsgd").assign(**{"param.lr": 0.5})
+    b = _trials("dpal_sound").assign(**{"param.lr": 0.05, "param.attack_norm": "l2"})
+    df = pd.concat([a, b], ignore_index=True)
+    names = set(_series(df, aggregate(df, ["epsilon", "acc_clean"]))["_series"])
+    assert names == {f"{t} max_grad_norm={m:g}" for t in ("dpsgd", "dpal_sound") for m in (0.1, 1.0)}
+    # the table keeps every swept key a row has (its label is the configuration, not a legend entry)
+    assert "lr=0.5" in aggregate(df)["label"].iloc[0]

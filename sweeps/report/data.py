@@ -379,10 +379,24 @@ def with_groups(trials):
     return trials
 
 
-def group_label(row, varying: list[str]) -> str:
-    """``trainable key=value ...`` of the varying configured parameters of a group."""
+def label_keys(trials) -> dict[str, list[str]]:
+    """Per trainable, the configured parameters that differ between its groups: what names a group of it
+    in a figure's legend (a key that differs only from one trainable to another, such as their default
+    learning rates, names none: the trainable's name already tells them apart)."""
+    if trials.empty or "trainable" not in trials:
+        return {}
+    return {str(t): varying_columns(g) for t, g in trials.groupby("trainable", sort=False)}
+
+
+def group_label(row, varying: list[str] | dict[str, list[str]], exclude=()) -> str:
+    """``trainable key=value ...`` of the varying configured parameters of a group (``varying``: a list,
+    or ``label_keys``'s per-trainable lists), but ``exclude``."""
     parts = [str(row.get("trainable", ""))]
+    if isinstance(varying, dict):
+        varying = varying.get(parts[0], [])
     for c in varying:
+        if c in exclude:
+            continue
         v = row.get(c)
         if _key_value(v) == "":
             continue
@@ -417,7 +431,7 @@ def aggregate(trials, metrics: list[str] | None = None):
 
     df = finished(with_groups(trials) if "group" not in trials else trials)
     metrics = metric_columns(df) if metrics is None else [m for m in metrics if m in df]
-    varying = varying_columns(df) if not df.empty else []
+    varying = varying_columns(df) if not df.empty else []     # a table row names every swept key it has
     rows = []
     for gid, g in df.groupby("group", sort=True):
         first = g.iloc[0]

@@ -49,8 +49,8 @@ from sweeps.report.data import (
     finished,
     fmt_stat,
     group_label,
+    label_keys,
     size_grid,
-    varying_columns,
     with_groups,
 )
 from sweeps.report.data import as_number as _num
@@ -283,9 +283,9 @@ def _save(fig, ax_or_axes, path: Path, legend_fontsize=7) -> None:
 def _series(df, agg, exclude=EPSILON_PARAMS) -> list:
     """``agg`` (one row per configuration) with ``_series``: the trainable and the values of every
     other swept key (all varying configured keys but ``exclude``, the x axis), one series each."""
-    varying = [c for c in varying_columns(finished(df)) if c not in exclude] if not df.empty else []
+    varying = label_keys(finished(df))
     agg = agg.copy()
-    agg["_series"] = [group_label(r, varying) for r in agg.to_dict("records")]
+    agg["_series"] = [group_label(r, varying, exclude) for r in agg.to_dict("records")]
     return agg
 
 
@@ -370,11 +370,11 @@ def _label(row) -> str:
     return f"{row['trainable']} eps={eps:.3g}" if isinstance(eps, float) and math.isfinite(eps) else row["trainable"]
 
 
-def _table_groups(sweep: Sweep, kind: str) -> tuple[dict, list[str]]:
+def _table_groups(sweep: Sweep, kind: str) -> tuple[dict, dict[str, list[str]]]:
     """group id -> (label, [tables]) of the finished trials with a ``kind`` table."""
     trials = with_groups(sweep.trials)
     fin = finished(trials)
-    varying = varying_columns(fin) if not fin.empty else []
+    varying = label_keys(fin)
     by_id = fin.set_index("run_id")
     groups: dict = {}
     for (rid, k), table in sweep.tables.items():
@@ -451,7 +451,7 @@ def _with_config_epsilon(trials):
 
 
 def _series_name(row, varying) -> str:
-    name = group_label(row, [c for c in varying if c not in EPSILON_PARAMS])
+    name = group_label(row, varying, EPSILON_PARAMS)
     return name + ("" if _privacy(row.get("trainable")) else " (x: configured robustness eps)")
 
 
@@ -466,7 +466,7 @@ def plot_accuracy_vs_epsilon_per_attack(trials, size: float, path: Path, refs=()
     agg = aggregate(df, ["_eps", *cols.values()])
     if agg.empty:
         return False
-    varying = varying_columns(finished(df))
+    varying = label_keys(finished(df))
     agg["_series"] = [_series_name(r, varying) for r in agg.to_dict("records")]
     if agg.groupby("_series")["_eps"].nunique().max() < 2:
         return False
@@ -512,7 +512,7 @@ def plot_accuracy_vs_epsilon(trials, metric: str, path: Path, ylabel: str, refs=
     if agg.empty:
         return False
     agg = agg[np.isfinite(agg[metric].astype(float))]
-    varying = varying_columns(finished(df))
+    varying = label_keys(finished(df))
     agg["_series"] = [_series_name(r, varying) for r in agg.to_dict("records")]
     if agg.empty or agg.groupby("_series")["_eps"].nunique().max() < 2:
         return False
@@ -554,13 +554,15 @@ def plot_accuracy_vs_size_per_attack(trials, path: Path, refs=()) -> bool:
     plt = _plt()
     dpal = dpal_study(trials)
     attacks = [a for a in ATTACK_LABEL if a in cols]
+    keys = label_keys(finished(trials))
     fig, axes = plt.subplots(1, len(attacks), figsize=(3.2 * len(attacks), 3.3), dpi=120, squeeze=False, sharey=True)
     for ax, attack in zip(axes[0], attacks):
         sizes = sorted(cols[attack])
         for i, row in enumerate(agg.to_dict("records")):
             acc = [row.get(cols[attack][s], math.nan) for s in sizes]
             sd = [row.get(f"{cols[attack][s]}.sd", math.nan) for s in sizes]
-            ax.errorbar(sizes, acc, yerr=_sd(sd), capsize=2, ms=4, label=f"{row['label']} (n={row['n']})", **style(i))
+            ax.errorbar(sizes, acc, yerr=_sd(sd), capsize=2, ms=4, label=f"{group_label(row, keys)} (n={row['n']})",
+                        **style(i))
         _stars(ax, [(float(ACC.match(r["metric"]).group(2)), r["published"], r["point"]) for r in refs
                     if ACC.match(r["metric"]) and ACC.match(r["metric"]).group(1) == attack
                     and _matches_any(trials, r["_where"])], [])
@@ -580,7 +582,7 @@ def plot_certified_vs_size_by_mechanism(sweep: Sweep, path: Path, refs=()) -> bo
         return False
     plt = _plt()
     df = finished(_with_config_epsilon(sweep.trials))
-    varying = varying_columns(df) if not df.empty else []
+    varying = label_keys(df)
     df = df.set_index("run_id")
     groups: dict[tuple, list] = {}
     for (rid, kind), table in sweep.tables.items():
@@ -588,7 +590,7 @@ def plot_certified_vs_size_by_mechanism(sweep: Sweep, path: Path, refs=()) -> bo
             continue
         row = df.loc[rid]
         eps = float(row["_eps"]) if math.isfinite(_num(row["_eps"])) else math.nan
-        other = group_label(row.to_dict(), [c for c in varying if c not in EPSILON_PARAMS])  # the other swept keys
+        other = group_label(row.to_dict(), varying, EPSILON_PARAMS)  # the other swept keys
         groups.setdefault((other, round(eps, 6), kind), []).append(table)
     if not groups:
         return False
