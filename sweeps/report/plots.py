@@ -603,8 +603,9 @@ def plot_certified_vs_size_by_mechanism(sweep: Sweep, path: Path, refs=()) -> bo
         color = st["color"]
         mech, rest = (series.split(" ", 1) + [""])[:2]
         what = "eps" if _privacy(mech) else "robustness eps (configured)"
+        privacy = f"{what}={eps:.3g}" if math.isfinite(eps) else "non-private"
         ax.plot(grid, mean, ls="-" if kind == "native" else "--", markevery=max(1, len(grid) // 8), ms=4,
-                label=f"{mech} {what}={eps:.3g}{' ' + rest if rest else ''} (n={len(tables)})"
+                label=f"{mech} {privacy}{' ' + rest if rest else ''} (n={len(tables)})"
                 + (" (smoothing)" if kind == "smoothing" else ""), **st)
         if len(tables) > 1:
             sd = curves.std(axis=0, ddof=1)
