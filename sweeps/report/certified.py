@@ -139,6 +139,12 @@ def _sigma01(row) -> float:
     return math.nan
 
 
+def differing(members: list[dict]) -> list[str]:
+    """The ``config`` keys whose values differ between the groups ``members``, in order of appearance."""
+    return [k for k in dict.fromkeys(k for g in members for k in g["config"])
+            if len({_value(g["config"].get(k)) for g in members}) > 1]
+
+
 def smoothing_groups(sweep: Sweep) -> list[dict]:
     """The finished trials' smoothing tables, one entry per configuration: ``family``, ``label``,
     ``config``, ``trainable``, ``epsilon`` (configured), ``rows`` (its trials), ``tables``."""
@@ -164,12 +170,11 @@ def smoothing_groups(sweep: Sweep) -> list[dict]:
     # a curve's label names what tells it from the other configurations of its family (the legend prefixes
     # the family: trainable and epsilon), or, alone in its family, from the trainable's other configurations;
     # never a key only another trainable varies. The sweep-wide keys stay in ``config`` (table, envelope).
-    def differing(members: list[dict]) -> list[str]:
-        return [k for k in dict.fromkeys(k for g in members for k in g["config"])
-                if len({_value(g["config"].get(k)) for g in members}) > 1]
-
-    by = lambda key: {g[key]: [h for h in groups.values() if h[key] == g[key]] for g in groups.values()}  # noqa: E731
-    families, trainables = by("family"), by("trainable")
+    families: dict[str, list[dict]] = {}
+    trainables: dict[str, list[dict]] = {}
+    for g in groups.values():
+        families.setdefault(g["family"], []).append(g)
+        trainables.setdefault(g["trainable"], []).append(g)
     for g in groups.values():
         keys = differing(families[g["family"]]) or differing(trainables[g["trainable"]])
         g["label"] = " ".join(f"{k}={_value(g['config'][k])}" for k in keys if k in g["config"]) or g["trainable"]
@@ -342,8 +347,7 @@ def radius_table(sweep: Sweep, refs=(), radii01=RADII_01, best: dict | None = No
     for fam, members in per_family.items():
         if len(members) < 2:
             continue
-        keys = [k for k in dict.fromkeys(k for g, _ in members for k in g["config"])
-                if len({_value(g["config"].get(k)) for g, _ in members}) > 1]
+        keys = differing([g for g, _ in members])
         row = {"configuration": f"{fam}: envelope over {', '.join(keys) or 'configurations'} (best per radius: "
                                 "a tuning choice)",
                "epsilon protects": protects_short(members[0][0]["trainable"], members[0][0]["epsilon"]),
