@@ -36,7 +36,8 @@ def test_calibration_reports_progress_and_is_reused_by_the_next_process(cache, c
     assert "tuning_privacy: calibrating the per-trial epsilon so that releasing the best of K ~ geometric(mean 5) " \
            "costs 3 end to end" in err
     steps = [ln for ln in err.splitlines() if "calibrating: step" in ln]
-    assert len(steps) >= 3 and "-> end-to-end" in steps[-1] and "(target 3)" in steps[-1]
+    assert len(steps) >= 3 and "-> end-to-end" in steps[-1] and "(target 3)" in steps[0]
+    assert "(target 3, checked)" in steps[-1]     # the answer checked on dp-accounting's curves
     assert len(list(cache.glob("*.json"))) == 1
     monkeypatch.setattr(tuning, "_CALIBRATED", {})          # run after --dry-run: another process
     calls = []

@@ -57,3 +57,22 @@ def test_epsilon_in_the_search_is_refused_with_a_target():
 def test_an_unreachable_target_is_refused_in_one_line():
     with pytest.raises(SpecError, match=r"^tuning_privacy\.target_epsilon: 1e-06 is below what"):
         validate_spec(raw(1e-6, 5))
+
+
+def test_a_wrong_fast_curve_in_the_search_cannot_overshoot_the_target(monkeypatch, tmp_path):
+    """The calibration searches on vectorised RDP curves and checks its answer on dp-accounting's.
+    A planted under-estimate (half of every fast curve) would land the per-trial epsilon far above
+    the root; the check refuses it and the search runs again exactly: same answer as unplanted."""
+    from dpmech.privacy import accounting
+    from sweeps.spec import tuning
+
+    monkeypatch.setenv("DPSWEEP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tuning, "_CALIBRATED", {})
+    honest = validate_spec(raw(3.0, 5)).trainables[0].search["epsilon"]
+    real = accounting._fast_curve  # noqa: SLF001
+    monkeypatch.setattr(accounting, "_fast_curve", lambda ev: None if real(ev) is None else 0.5 * real(ev))
+    monkeypatch.setattr(tuning, "_CALIBRATED", {})
+    monkeypatch.setenv("DPSWEEP_CACHE", str(tmp_path / "cache2"))
+    spec = validate_spec(raw(3.0, 5))
+    assert spec.trainables[0].search["epsilon"] == pytest.approx(honest, rel=2e-3)
+    assert tuning_summary(spec)["tuning_epsilon"] <= 3.0

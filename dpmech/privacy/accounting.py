@@ -26,6 +26,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpmech._validate import non_negative, open_unit, positive, unit_interval
 from dpmech.privacy.quiet import quiet_accounting_logs
+from dpmech.privacy.sampled_gaussian_rdp import sampled_gaussian_rdp
 
 quiet_accounting_logs()  # dp-accounting's per-order convergence warnings (dpmech.privacy.quiet)
 
@@ -191,6 +192,19 @@ def _calibrate(target_epsilon: float, delta: float, sampling_rate: float, steps:
             return float(acc.get_epsilon(delta))
         return epsilon(event, delta, accountant)
 
+    if accountant != "rdp":
+        return _bisect_sigma(eps, target_epsilon, delta, steps, tol)
+    # The same search on the same orders with a vectorised RDP (dpmech.privacy.sampled_gaussian_rdp,
+    # ~10x faster), then the sigma found checked with dp-accounting: the returned sigma meets the
+    # target by dp-accounting's own computation, the fast one only chose where to look.
+    sigma = _bisect_sigma(_fast_rdp_epsilon(sampling_rate, steps, delta, before), target_epsilon, delta, steps, tol)
+    if eps(sigma) > target_epsilon:   # the two disagree at the boundary: search again, exactly
+        sigma = _bisect_sigma(eps, target_epsilon, delta, steps, tol)
+    return sigma
+
+
+def _bisect_sigma(eps, target_epsilon: float, delta: float, steps: int, tol: float) -> float:
+    """The smallest sigma (to ``tol``, rounded up) with ``eps(sigma) <= target_epsilon``; eps falls with sigma."""
     lo, hi = 0.0, 1.0
     while eps(hi) > target_epsilon:
         lo, hi = hi, hi * 2
@@ -205,13 +219,56 @@ def _calibrate(target_epsilon: float, delta: float, sampling_rate: float, steps:
     return hi
 
 
-def rdp_curve(event: dpe.DpEvent) -> np.ndarray:
-    """The RDP curve of ``event`` at :data:`RDP_ORDERS` (inf everywhere for a non-private event)."""
+def _fast_rdp_epsilon(sampling_rate: float, steps: int, delta: float, before: dpe.DpEvent | None):
+    """sigma -> RDP epsilon at ``delta`` of ``before`` then ``steps`` subsampled Gaussian steps, on
+    dp-accounting's default orders, the steps' curve from the vectorised implementation."""
+    orders = np.asarray(rdp_privacy_accountant.DEFAULT_RDP_ORDERS, dtype=np.float64)
+    fixed = np.zeros_like(orders)
+    if before is not None:
+        acc = rdp_privacy_accountant.RdpAccountant(list(orders))
+        acc.compose(before)
+        fixed = np.asarray(acc._rdp, dtype=np.float64)  # noqa: SLF001 - the accountant's curve at these orders
+
+    def eps(sigma: float) -> float:
+        rdp = fixed + steps * sampled_gaussian_rdp(sampling_rate, sigma, orders)
+        finite = np.isfinite(rdp)
+        if not finite.any():
+            return math.inf
+        return float(rdp_privacy_accountant.compute_epsilon(orders[finite], rdp[finite], delta)[0])
+    return eps
+
+
+def rdp_curve(event: dpe.DpEvent, fast: bool = False) -> np.ndarray:
+    """The RDP curve of ``event`` at :data:`RDP_ORDERS` (inf everywhere for a non-private event).
+
+    ``fast``: compositions of (subsampled) Gaussian steps from the vectorised implementation
+    (:mod:`dpmech.privacy.sampled_gaussian_rdp`, equal to dp-accounting's to ~1e-9), for a search
+    whose answer is then checked on the exact curve; any other event from dp-accounting."""
     if _non_private(event):
         return np.full(len(RDP_ORDERS), np.inf)
+    if fast:
+        curve = _fast_curve(event)
+        if curve is not None:
+            return curve
     acc = rdp_privacy_accountant.RdpAccountant(list(RDP_ORDERS))
     acc.compose(event)
     return np.asarray(acc._rdp, dtype=np.float64)  # noqa: SLF001 - the accountant's curve at our orders
+
+
+def _fast_curve(event: dpe.DpEvent) -> np.ndarray | None:
+    """RDP curve of a composition of (Poisson-subsampled) Gaussian steps, vectorised; None for any
+    other event."""
+    if isinstance(event, dpe.SelfComposedDpEvent):
+        inner = _fast_curve(event.event)
+        return None if inner is None else event.count * inner
+    if isinstance(event, dpe.ComposedDpEvent):
+        parts = [_fast_curve(e) for e in event.events]
+        return None if any(p is None for p in parts) else np.sum(parts, axis=0)
+    if isinstance(event, dpe.PoissonSampledDpEvent) and isinstance(event.event, dpe.GaussianDpEvent):
+        return sampled_gaussian_rdp(event.sampling_probability, event.event.noise_multiplier, RDP_ORDERS)
+    if isinstance(event, dpe.GaussianDpEvent):
+        return sampled_gaussian_rdp(1.0, event.noise_multiplier, RDP_ORDERS)
+    return None
 
 
 def rdp_epsilon(rdp: np.ndarray, delta: float) -> float:

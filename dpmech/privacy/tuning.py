@@ -105,10 +105,11 @@ def draw_num_trials(distribution: str, mean: float, shape: float | None = None, 
         kmax *= 4
 
 
-def worst_case_rdp(events: Iterable[dpe.DpEvent]) -> np.ndarray:
+def worst_case_rdp(events: Iterable[dpe.DpEvent], fast: bool = False) -> np.ndarray:
     """Order-wise maximum of the RDP curves of ``events``: an RDP bound holding for every one of
-    them, hence for a trial whose configuration is any of them (Papernot & Steinke's Q)."""
-    curves = [rdp_curve(e) for e in events]
+    them, hence for a trial whose configuration is any of them (Papernot & Steinke's Q).
+    ``fast``: vectorised curves (:func:`dpmech.privacy.accounting.rdp_curve`), for a search only."""
+    curves = [rdp_curve(e, fast=fast) for e in events]
     if not curves:
         raise ValueError("worst_case_rdp: no privacy event given")
     return np.max(np.stack(curves), axis=0)
