@@ -73,8 +73,11 @@ def _tuning(spec_path: Path) -> float:
     from dpmech.privacy import accounting
     from sweeps.spec import load_spec, tuning
 
+    from dpmech.dpsgd.trainer import calibrated_noise_multiplier
+
     for memo in (tuning._CALIBRATED, accounting._SIGMA_MEMO, accounting._EPSILON_MEMO):  # noqa: SLF001
         memo.clear()                      # a new process: nothing calibrated in memory
+    calibrated_noise_multiplier.cache_clear()
     with tempfile.TemporaryDirectory() as cache:
         old = os.environ.get("DPSWEEP_CACHE")
         os.environ["DPSWEEP_CACHE"] = cache
