@@ -262,7 +262,7 @@ def calibration_cache_dir():
 
 
 def _say(msg: str) -> None:
-    """Calibration progress on stderr (it takes a minute or two for a large search space)."""
+    """Calibration progress on stderr (tens of seconds for a large search space)."""
     import sys
 
     print(f"dpsweep: {msg}", file=sys.stderr, flush=True)
