@@ -42,18 +42,9 @@ def exact_curves():
     from dpmech.privacy import accounting
 
     fast_curve, fast_rdp = accounting._fast_curve, accounting._fast_rdp_epsilon  # noqa: SLF001
-
-    def exact_eps(sampling_rate, steps, delta, before):
-        def eps(sigma):
-            event = accounting.subsampled_gaussian_event(sampling_rate, sigma, steps)
-            if before is not None:
-                event = accounting.dpe.ComposedDpEvent([before, event])
-            acc = accounting.rdp_privacy_accountant.RdpAccountant()
-            acc.compose(event)
-            return float(acc.get_epsilon(delta))
-        return eps
     accounting._fast_curve = lambda event: None  # noqa: SLF001
-    accounting._fast_rdp_epsilon = exact_eps  # noqa: SLF001
+    accounting._fast_rdp_epsilon = lambda q, steps, delta, before: accounting._search_epsilon(  # noqa: SLF001
+        q, steps, delta, before, "rdp")
     try:
         yield
     finally:

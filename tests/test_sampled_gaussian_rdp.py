@@ -62,13 +62,8 @@ def test_fast_rdp_curve_of_composed_events_matches():
 
 
 def _exact_sigma(target, delta, q, steps, before=None):
-    def eps(sigma):
-        ev = subsampled_gaussian_event(q, sigma, steps)
-        if before is not None:
-            ev = dpe.ComposedDpEvent([before, ev])
-        acc = rdp_acc.RdpAccountant()
-        acc.compose(ev)
-        return float(acc.get_epsilon(delta))
+    """The bisection on dp-accounting's epsilon alone (what the search did before the fast curve)."""
+    eps = accounting._search_epsilon(q, steps, delta, before, "rdp")  # noqa: SLF001
     return accounting._bisect_sigma(eps, target, delta, steps, 1e-4)  # noqa: SLF001
 
 

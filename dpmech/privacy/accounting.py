@@ -179,6 +179,21 @@ def _calibrate(target_epsilon: float, delta: float, sampling_rate: float, steps:
             raise ValueError(f"epsilon: {target_epsilon} is unreachable at delta {delta}: the fixed release "
                              f"before the steps alone costs {fixed:.4g}")
 
+    eps = _search_epsilon(sampling_rate, steps, delta, before, accountant)
+    if accountant != "rdp":
+        return _bisect_sigma(eps, target_epsilon, delta, steps, tol)
+    # The same search on the same orders with a vectorised RDP (dpmech.privacy.sampled_gaussian_rdp,
+    # ~10x faster), then the sigma found checked with dp-accounting: the returned sigma meets the
+    # target by dp-accounting's own computation, the fast one only chose where to look.
+    sigma = _bisect_sigma(_fast_rdp_epsilon(sampling_rate, steps, delta, before), target_epsilon, delta, steps, tol)
+    if eps(sigma) > target_epsilon:   # the two disagree at the boundary: search again, exactly
+        sigma = _bisect_sigma(eps, target_epsilon, delta, steps, tol)
+    return sigma
+
+
+def _search_epsilon(sampling_rate: float, steps: int, delta: float, before: dpe.DpEvent | None, accountant: str):
+    """sigma -> epsilon at ``delta`` of ``before`` then ``steps`` subsampled Gaussian steps, by
+    dp-accounting: the exact function the noise search must satisfy."""
     def eps(sigma: float) -> float:
         event = subsampled_gaussian_event(sampling_rate, sigma, steps)
         if before is not None:
@@ -191,16 +206,7 @@ def _calibrate(target_epsilon: float, delta: float, sampling_rate: float, steps:
             acc.compose(event)
             return float(acc.get_epsilon(delta))
         return epsilon(event, delta, accountant)
-
-    if accountant != "rdp":
-        return _bisect_sigma(eps, target_epsilon, delta, steps, tol)
-    # The same search on the same orders with a vectorised RDP (dpmech.privacy.sampled_gaussian_rdp,
-    # ~10x faster), then the sigma found checked with dp-accounting: the returned sigma meets the
-    # target by dp-accounting's own computation, the fast one only chose where to look.
-    sigma = _bisect_sigma(_fast_rdp_epsilon(sampling_rate, steps, delta, before), target_epsilon, delta, steps, tol)
-    if eps(sigma) > target_epsilon:   # the two disagree at the boundary: search again, exactly
-        sigma = _bisect_sigma(eps, target_epsilon, delta, steps, tol)
-    return sigma
+    return eps
 
 
 def _bisect_sigma(eps, target_epsilon: float, delta: float, steps: int, tol: float) -> float:
