@@ -86,6 +86,22 @@ def test_envelope_takes_the_best_sigma_per_radius_and_prefers_validation():
     assert bench.envelope(units, "eps_1") is None
 
 
+def test_one_lucky_seed_does_not_beat_a_mean_over_three():
+    """The envelope compares configurations on the seeds they share, then reports the chosen one over
+    all its seeds: sigma 0.25 with seeds 0-2 (seed 0 at 90) against sigma 1.0 with seed 0 alone at 88
+    chooses sigma 0.25 (90 > 88 on seed 0) and reports its three-seed mean 85, although 88 > 85."""
+    units = [_unit("dpcert", 0.25, s, [acc, 50, 10, 0]) for s, acc in zip((0, 1, 2), (90, 82, 83))]
+    units.append(_unit("dpcert", 1.0, 0, [88, 70, 50, 30]))
+    e = bench.envelope(units, "eps_3")
+    assert e["config"]["0.5"]["sigma_01"] == 0.25 and e["cert_acc"]["0.5"] == 85
+    assert e["seeds_per_radius"]["0.5"] == 3 and e["seeds_per_radius"]["1.0"] == 1
+    assert "compared on the seeds they share (0)" in e["selection"]
+    # control: sigma 1.0 at 91 beats sigma 0.25 on the shared seed 0 (90), and is chosen
+    units[-1] = _unit("dpcert", 1.0, 0, [91, 70, 50, 30])
+    e = bench.envelope(units, "eps_3")
+    assert e["config"]["0.5"]["sigma_01"] == 1.0 and e["cert_acc"]["0.5"] == 91
+
+
 def test_a_row_moves_to_a_larger_n_only_when_every_sigma_is_certified_there():
     units = [_unit("dpcert", 0.25, 0, [90, 60, 0, 0]), _unit("dpcert", 1.0, 0, [80, 70, 50, 30])]
     big = dict(_unit("dpcert", 0.25, 0, [92, 70, 20, 0]), n=100_000, unit="big")
