@@ -333,3 +333,18 @@ def test_the_figure_curve_from_per_image_radii_agrees_with_the_summary(demo):
         assert 100 * acc[int(np.argmin(abs(radii - float(r01))))] == pytest.approx(want)
     coarse_keys, coarse, _ = bench.unit_curve(unit, None)
     assert list(coarse) == sorted(float(k) for k in unit["cert_acc_01"])
+
+
+def test_lenet_methods_train_the_same_objective_on_cohen_s_network(tmp_path):
+    """``lenet_gaussian`` / ``lenet_consistency``: the objective of ``gaussian`` / ``consistency`` on
+    LeNet; every other method stays on tb_cnn. A demo unit records its network and the envelope shows it."""
+    cfg, recipe = bench.make_config("non_private", "lenet_consistency", 1.0, 0)
+    base, base_recipe = bench.make_config("non_private", "consistency", 1.0, 0)
+    assert recipe["model"] == "lenet" and base_recipe["model"] == "tb_cnn" and cfg.to_dict() == base.to_dict()
+    out = tmp_path / "demo.json"
+    bench.main(["--demo", "--out", str(out), "--methods", "lenet_gaussian", "--epsilons", "none", "--sigmas", "0.5",
+                "--threads", "2"])
+    summary = json.loads(out.read_text())
+    (unit,) = summary["units"].values()
+    assert unit["network"] == "lenet" and unit["method"] == "lenet_gaussian"
+    assert summary["non_private"]["config"]["0.5"]["network"] == "lenet"

@@ -330,6 +330,34 @@ def test_model_key_builds_the_named_network_and_defaults_to_the_pixeldp_cnn():
         DPSGDTrialConfig(model="resnet")
 
 
+def test_lenet_is_the_smoothing_literature_s_mnist_network_and_clips_per_example():
+    """``model: lenet`` (431,080 parameters); one DP-SGD step's clipped sum on it equals the
+    per-example reference (every clipping route handles its layers); refused on CIFAR-10 in one line."""
+    from dpmech.networks.dpsgd_models import LeNet, build_dp_model
+    from trainables.dpsgd import DPSGDMechanism, DPSGDTrialConfig
+
+    x, y = torch.rand(32, 1, 28, 28) * 2 - 1, torch.randint(0, 10, (32,))
+    m = DPSGDMechanism(DPSGDTrialConfig(train_size=32, batch_size=8, model="lenet", clipping="bk"), x, y,
+                       torch.device("cpu"))
+    assert isinstance(m.model, LeNet) and sum(p.numel() for p in m.model.parameters()) == 431_080
+    with torch.no_grad():
+        fast = m.model(x[:4])
+    assert torch.equal(fast, m.model(x[:4]).detach())     # FastMaxPool2d: the same function as autograd's kernel
+    from tests.test_clipping_routes import run_bk
+
+    model = build_dp_model("lenet", "mnist", 0)
+    grads = []
+    for i in range(8):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1], reduction="sum").backward()
+        g = torch.cat([p.grad.flatten() for p in model.parameters()])
+        grads.append(g * (0.5 / (g.norm() + 1e-6)).clamp(max=1.0))
+    _, got, _ = run_bk(build_dp_model("lenet", "mnist", 0), x[:8], y[:8], 0.5, prefer="inst")
+    assert torch.allclose(got, torch.stack(grads).sum(0), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="^model: 'lenet' is defined for 28 x 28 images"):
+        build_dp_model("lenet", "cifar10", 0)
+
+
 def test_lr_schedules_follow_the_planned_steps():
     cfg = DPSGDConfig(lr=0.5, lr_schedule="cosine")
     assert cfg.lr_at(0, 100) == 0.5 and cfg.lr_at(50, 100) == pytest.approx(0.25) and cfg.lr_at(100, 100) == 0.0

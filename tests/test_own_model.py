@@ -170,7 +170,7 @@ def test_named_dataset_mechanisms_refuse_a_loader(ownpkg):
     ("ownpkg_h1.nets:broken", "failed a forward pass on one input of shape [1, 1, 6, 6]"),
     ("ownpkg_h1.nets:not_module", "returned a str; it must return a torch.nn.Module"),
     ("ownpkg_h1.nets:raises", "raised RuntimeError: no GPU here when called with input_shape=(1, 6, 6), num_classes=3"),
-    ("resnet", "must be one of 'pixeldp_cnn', 'tb_cnn', 'tb_cnn_gn' or an import path"),
+    ("resnet", "must be one of 'pixeldp_cnn', 'tb_cnn', 'tb_cnn_gn', 'lenet' or an import path"),
 ])
 def test_model_errors_name_the_field_and_rule(ownpkg, model, rule):
     msg = _error(_dpsgd, model=model)

@@ -30,7 +30,7 @@ from trainables.config import CommonConfig, check_user_model, planned_train_size
 from trainables.entry import TrainableEntry
 from trainables.runtime import TrainerMechanism, run_trial
 
-BUILTIN_MODELS = ("pixeldp_cnn", "tb_cnn", "tb_cnn_gn")
+BUILTIN_MODELS = ("pixeldp_cnn", "tb_cnn", "tb_cnn_gn", "lenet")
 FEATURE_MODELS = ("linear", "scatter_cnn")      # classifiers on ScatterNet features (features: scatternet)
 _IMAGE_CHANNELS = {"mnist": 1, "fashion_mnist": 1, "cifar10": 3}
 
@@ -64,10 +64,11 @@ class DPSGDTrialConfig(CommonConfig):
     lr_schedule: Literal["constant", "cosine", "step"] = Field(
         "constant", description="learning-rate schedule over the planned steps: constant; cosine (to 0); "
                                 "step (x0.1 after 1/2 and after 3/4 of the steps)")
-    model: Literal["pixeldp_cnn", "tb_cnn", "tb_cnn_gn", "linear", "scatter_cnn"] | str = Field(
+    model: Literal["pixeldp_cnn", "tb_cnn", "tb_cnn_gn", "lenet", "linear", "scatter_cnn"] | str = Field(
         "pixeldp_cnn", description="network (dpmech.networks.dpsgd_models): pixeldp_cnn = the PixelDP network without its noise "
                                    "layer (the DPAL paper's baseline comparison); tb_cnn = Tramer & Boneh 2021's tanh "
-                                   "CNN (the published DP-SGD recipes); tb_cnn_gn = tb_cnn with GroupNorm; or your "
+                                   "CNN (the published DP-SGD recipes); tb_cnn_gn = tb_cnn with GroupNorm; lenet = the "
+                                   "randomized-smoothing literature's MNIST LeNet (431k parameters, 28 x 28 only); or your "
                                    "factory's import path 'package.module:factory' (docs/own_model.md); with "
                                    "features: scatternet, linear (GroupNorm + one linear layer) or scatter_cnn (T&B's "
                                    "small CNN on the features), and only those")
