@@ -236,7 +236,8 @@ def _fast_rdp_epsilon(sampling_rate: float, steps: int, delta: float, before: dp
         fixed = np.asarray(acc._rdp, dtype=np.float64)  # noqa: SLF001 - the accountant's curve at these orders
 
     def eps(sigma: float) -> float:
-        rdp = fixed + steps * sampled_gaussian_rdp(sampling_rate, sigma, orders)
+        steps_curve = _fast_curve_at(subsampled_gaussian_event(sampling_rate, sigma, steps), orders)
+        rdp = fixed + (np.inf if steps_curve is None else steps_curve)    # None: sigma 0, not private
         finite = np.isfinite(rdp)
         if not finite.any():
             return math.inf
@@ -262,18 +263,22 @@ def rdp_curve(event: dpe.DpEvent, fast: bool = False) -> np.ndarray:
 
 
 def _fast_curve(event: dpe.DpEvent) -> np.ndarray | None:
-    """RDP curve of a composition of (Poisson-subsampled) Gaussian steps, vectorised; None for any
-    other event."""
+    """RDP curve at :data:`RDP_ORDERS` of a composition of (Poisson-subsampled) Gaussian steps,
+    vectorised; None for any other event."""
+    return _fast_curve_at(event, RDP_ORDERS)
+
+
+def _fast_curve_at(event: dpe.DpEvent, orders) -> np.ndarray | None:
     if isinstance(event, dpe.SelfComposedDpEvent):
-        inner = _fast_curve(event.event)
+        inner = _fast_curve_at(event.event, orders)
         return None if inner is None else event.count * inner
     if isinstance(event, dpe.ComposedDpEvent):
-        parts = [_fast_curve(e) for e in event.events]
+        parts = [_fast_curve_at(e, orders) for e in event.events]
         return None if any(p is None for p in parts) else np.sum(parts, axis=0)
     if isinstance(event, dpe.PoissonSampledDpEvent) and isinstance(event.event, dpe.GaussianDpEvent):
-        return sampled_gaussian_rdp(event.sampling_probability, event.event.noise_multiplier, RDP_ORDERS)
+        return sampled_gaussian_rdp(event.sampling_probability, event.event.noise_multiplier, orders)
     if isinstance(event, dpe.GaussianDpEvent):
-        return sampled_gaussian_rdp(1.0, event.noise_multiplier, RDP_ORDERS)
+        return sampled_gaussian_rdp(1.0, event.noise_multiplier, orders)
     return None
 
 
