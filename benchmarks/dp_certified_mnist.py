@@ -844,6 +844,18 @@ def mechanism_label(method: str, row: str) -> str:
     return f"{method}, {EPS_LABEL[row]}"
 
 
+def _figure(e: dict, r: str) -> str:
+    """An envelope's figure at radius ``r``: the mean, and the sample std over seeds where there are two or more."""
+    sd = e["cert_acc_std"][r]
+    return f"{e['cert_acc'][r]:.1f}" + (f" +- {sd:.1f}" if sd is not None else "")
+
+
+def _seeds(e: dict, r: str) -> str:
+    """How many seeds the figure at ``r`` averages: radii of one row can come from different configurations."""
+    n = e["seeds_per_radius"][r]
+    return f"{n} seed" + ("s" if n != 1 else "")
+
+
 def mechanism_table_rows(summary: dict) -> list[str]:
     """The docs table's rows of the other mechanisms (not compared with the DP-SGD targets: the
     targets are the issue's for its DP-SGD training), each naming what its epsilon protects; the
@@ -857,13 +869,11 @@ def mechanism_table_rows(summary: dict) -> list[str]:
                 continue
             cells = []
             for r in map(key01, HEADLINE_RADII_01):
-                sd = e["cert_acc_std"][r]
-                cells.append(f"{e['cert_acc'][r]:.1f}" + (f" +- {sd:.1f}" if sd is not None else "")
-                             + f" (sigma_01 {e['config'][r]['sigma_01']})")
+                cells.append(_figure(e, r) + f" (sigma_01 {e['config'][r]['sigma_01']}, {_seeds(e, r)})")
             eps = ("" if e["epsilon"] is None else
                    f"; eps {e['epsilon']:.2f} at delta 1e-5, {e['epsilon_delta_1e-6']:.2f} at 1e-6")
             rows.append(f"| {mechanism_label(method, row)}{eps}; epsilon protects {m['short']} | "
-                        + " | ".join(cells) + f" | N {e['n']}, {e['images']} images, {e['seeds']} seeds | "
+                        + " | ".join(cells) + f" | N {e['n']}, {e['images']} images | "
                         f"{e['selection']} |")
     return rows
 
@@ -876,7 +886,7 @@ def mechanisms_not_run(summary: dict) -> list[str]:
 
 def docs_table(summary: dict) -> str:
     rows = ["| epsilon | " + " | ".join(f"r_[0,1] {key01(r)} (r_[-1,1] {key01(2 * r)})" for r in HEADLINE_RADII_01)
-            + " | N, images, seeds | selection |",
+            + " | N, images | selection |",
             "| --- | " + " | ".join("---" for _ in HEADLINE_RADII_01) + " | --- | --- |"]
     names = {"eps_3": "3", "eps_1": "1", "non_private": "non-private", "dp_cert_noise": EPS_LABEL["dp_cert_noise"]}
     for row, label in names.items():
@@ -890,15 +900,13 @@ def docs_table(summary: dict) -> str:
             continue
         cells = []
         for r in map(key01, HEADLINE_RADII_01):
-            sd = e["cert_acc_std"][r]
             c = e["config"][r]
             verdict = ("" if tgt is None else
                        f"; target >= {tgt[r]}: {'met' if e['cert_acc'][r] >= tgt[r] else 'missed'}")
-            cells.append(f"{e['cert_acc'][r]:.1f}" + (f" +- {sd:.1f}" if sd is not None else "")
-                         + f" ({c['method']}, sigma_01 {c['sigma_01']}{verdict})")
+            cells.append(_figure(e, r) + f" ({c['method']}, sigma_01 {c['sigma_01']}, {_seeds(e, r)}{verdict})")
         eps = "" if e["epsilon"] is None else f" (eps {e['epsilon']:.2f} at delta 1e-5, {e['epsilon_delta_1e-6']:.2f} at 1e-6)"
         rows.append(f"| {label}{eps} | " + " | ".join(cells)
-                    + f" | N {e['n']}, {e['images']} images, {e['seeds']} seeds | {e['selection']} |")
+                    + f" | N {e['n']}, {e['images']} images | {e['selection']} |")
     rows.extend(mechanism_table_rows(summary))
     a = ANCHORS
     for name, label in (("cohen_gaussian_non_private", "anchor: Cohen et al., non-private"),

@@ -96,6 +96,8 @@ def test_one_lucky_seed_does_not_beat_a_mean_over_three():
     assert e["config"]["0.5"]["sigma_01"] == 0.25 and e["cert_acc"]["0.5"] == 85
     assert e["seeds_per_radius"]["0.5"] == 3 and e["seeds_per_radius"]["1.0"] == 1
     assert "compared on the seeds they share (0)" in e["selection"]
+    table = bench.docs_table({"eps_3": e})       # each cell says how many seeds its own figure averages
+    assert "85.0 +- 4.4 (dpcert, sigma_01 0.25, 3 seeds;" in table and "70.0 (dpcert, sigma_01 1.0, 1 seed;" in table
     # control: sigma 1.0 at 91 beats sigma 0.25 on the shared seed 0 (90), and is chosen
     units[-1] = _unit("dpcert", 1.0, 0, [91, 70, 50, 30])
     e = bench.envelope(units, "eps_3")
@@ -116,9 +118,9 @@ def test_docs_table_states_n_images_domains_and_met_or_missed(tmp_path):
     units = [_unit("dpcert", 0.5, 0, [94.5, 80, 55, 10])]
     summary = {"eps_3": bench.envelope(units, "eps_3")}
     table = bench.docs_table(summary)
-    assert "r_[0,1] 0.5 (r_[-1,1] 1.0)" in table and "N 10000, 500 images, 1 seeds" in table
-    assert "94.5 (dpcert, sigma_01 0.5; target >= 94: met)" in table
-    assert "80.0 (dpcert, sigma_01 0.5; target >= 84: missed)" in table
+    assert "r_[0,1] 0.5 (r_[-1,1] 1.0)" in table and "N 10000, 500 images |" in table
+    assert "94.5 (dpcert, sigma_01 0.5, 1 seed; target >= 94: met)" in table
+    assert "80.0 (dpcert, sigma_01 0.5, 1 seed; target >= 84: missed)" in table
     assert "not run (target >= 90)" in table                   # epsilon 1 absent
     doc = tmp_path / "doc.md"
     doc.write_text("x\n<!-- dp_certified_mnist:begin -->\nold\n<!-- dp_certified_mnist:end -->\ny\n")
@@ -145,7 +147,7 @@ def test_dp_certs_noise_multiplier_is_a_row_of_its_own_without_a_target():
     assert e["target"] is None and bench.envelope(units, "eps_3") is None
     table = bench.docs_table({"dp_cert_noise": e})
     row = next(line for line in table.splitlines() if "noise multiplier 1.23" in line)
-    assert "93.0 (dpcert, sigma_01 0.5)" in row and "target" not in row
+    assert "93.0 (dpcert, sigma_01 0.5, 1 seed)" in row and "target" not in row
     assert "noise multiplier" not in bench.docs_table({})                # listed only once run
 
 
