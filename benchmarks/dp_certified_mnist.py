@@ -704,8 +704,14 @@ def envelope(units: list[dict], row: str, methods=None) -> dict | None:
                             **{k: us[0]["config"].get(k) for k in CONFIG_KEYS
                                if best[0] in METHODS or k in us[0]["config"]},
                             **{k: us[0]["config"][k] for k in MECH_CONFIG_KEYS if k in us[0]["config"]}}
+    by_validation = set(chosen_by) == {"validation"}
+    out["shared_seeds"] = sorted(shared)
+    # the table's cell; the full sentence (``selection``) is written once under the table
+    out["selection_short"] = ("validation split" if by_validation else
+                              "certified images (a tuning choice), compared on seeds "
+                              f"{', '.join(map(str, sorted(shared))) or 'none'}")
     out["selection"] = ("per radius, the configuration best on the validation split (55,000 / 5,000)"
-                        if set(chosen_by) == {"validation"} else
+                        if by_validation else
                         "per radius, the envelope over the configurations run on the certified test images "
                         "themselves (Cohen et al.'s best sigma per radius), compared on the seeds they share "
                         f"({', '.join(map(str, sorted(shared))) or 'none: each on its own'}) and reported over all "
@@ -844,10 +850,28 @@ def mechanism_label(method: str, row: str) -> str:
     return f"{method}, {EPS_LABEL[row]}"
 
 
+def reach01(sigma01: float, n: int, alpha: float = ALPHA) -> float:
+    """The largest [0, 1]-domain radius CERTIFY can return at ``sigma01`` with ``n`` draws: every draw
+    correct, p_A_lower = alpha^(1/n) (Clopper-Pearson), radius sigma Phi^-1(p_A_lower)."""
+    from scipy.stats import norm
+
+    return sigma01 * float(norm.ppf(alpha ** (1.0 / n)))
+
+
 def _figure(e: dict, r: str) -> str:
-    """An envelope's figure at radius ``r``: the mean, and the sample std over seeds where there are two or more."""
+    """An envelope's figure at radius ``r``: the mean, and the sample std over seeds where there are two or more;
+    a radius beyond CERTIFY's reach at the chosen sigma and N says so instead of a bare 0."""
+    reach = reach01(e["config"][r]["sigma_01"], e["n"], e.get("alpha", ALPHA))
+    if float(r) > reach:
+        return f"0 (beyond reach: r <= {reach:.2f} at N {e['n']})"
     sd = e["cert_acc_std"][r]
     return f"{e['cert_acc'][r]:.1f}" + (f" +- {sd:.1f}" if sd is not None else "")
+
+
+def _selection(e: dict) -> str:
+    """The table's short note of how a row's configurations were chosen (the full sentence, ``selection``, is
+    written once under the table); summaries written before it existed carry only the sentence."""
+    return e.get("selection_short", e["selection"])
 
 
 def _seeds(e: dict, r: str) -> str:
@@ -874,7 +898,7 @@ def mechanism_table_rows(summary: dict) -> list[str]:
                    f"; eps {e['epsilon']:.2f} at delta 1e-5, {e['epsilon_delta_1e-6']:.2f} at 1e-6")
             rows.append(f"| {mechanism_label(method, row)}{eps}; epsilon protects {m['short']} | "
                         + " | ".join(cells) + f" | N {e['n']}, {e['images']} images | "
-                        f"{e['selection']} |")
+                        f"{_selection(e)} |")
     return rows
 
 
@@ -906,7 +930,7 @@ def docs_table(summary: dict) -> str:
             cells.append(_figure(e, r) + f" ({c['method']}, sigma_01 {c['sigma_01']}, {_seeds(e, r)}{verdict})")
         eps = "" if e["epsilon"] is None else f" (eps {e['epsilon']:.2f} at delta 1e-5, {e['epsilon_delta_1e-6']:.2f} at 1e-6)"
         rows.append(f"| {label}{eps} | " + " | ".join(cells)
-                    + f" | N {e['n']}, {e['images']} images | {e['selection']} |")
+                    + f" | N {e['n']}, {e['images']} images | {_selection(e)} |")
     rows.extend(mechanism_table_rows(summary))
     a = ANCHORS
     for name, label in (("cohen_gaussian_non_private", "anchor: Cohen et al., non-private"),
@@ -914,20 +938,23 @@ def docs_table(summary: dict) -> str:
                         ("dp_cert_eps_3", "anchor: DP-CERT, eps ~3 (delta 1e-6)")):
         rows.append(f"| {label} | " + " | ".join(f"{a[name][key01(r)]}" for r in HEADLINE_RADII_01)
                     + " | N 100,000, full test set | |")
+    chosen = [e for e in [summary.get(row) for row in names]
+              + [x for m in (summary.get("mechanisms") or {}).values() for x in m.values()] if e]
+    if chosen:
+        rows.append("")
+        rows.append("Selection: " + "; ".join(dict.fromkeys(e["selection"] for e in chosen)) + ".")
     missing = mechanisms_not_run(summary)
     if missing:
         rows.append("")
         rows.append("Other mechanisms not run yet (`--methods dpal_sound secure_sgd pixeldp`): " + "; ".join(missing)
                     + ". What each epsilon protects: " + "; ".join(f"{m}: {spec['protects']}"
                                                                   for m, spec in MECHANISMS.items()) + ".")
-    ns = sorted({summary[row]["n"] for row in names if summary.get(row)})
+    ns = sorted({e["n"] for e in chosen})
     if ns:
-        from scipy.stats import norm
-
         rows.append("")
         rows.append("The largest radius CERTIFY can return (every draw correct: p_A_lower = alpha^(1/N)), [0, 1] "
                     "domain: " + "; ".join(f"N {n}: " + ", ".join(
-                        f"sigma_01 {s_} -> {s_ * norm.ppf(ALPHA ** (1.0 / n)):.2f}" for s_ in SIGMAS_01) for n in ns)
+                        f"sigma_01 {s_} -> {reach01(s_, n):.2f}" for s_ in SIGMAS_01) for n in ns)
                     + ". Figures at N = 10,000 explore the grid; the targets are for N = 100,000.")
     cost = summary.get("cost")
     if cost:

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from scipy.stats import norm
 
 from benchmarks import dp_certified_mnist as bench
 
@@ -98,6 +99,9 @@ def test_one_lucky_seed_does_not_beat_a_mean_over_three():
     assert "compared on the seeds they share (0)" in e["selection"]
     table = bench.docs_table({"eps_3": e})       # each cell says how many seeds its own figure averages
     assert "85.0 +- 4.4 (dpcert, sigma_01 0.25, 3 seeds;" in table and "70.0 (dpcert, sigma_01 1.0, 1 seed;" in table
+    # the row names its selection in a few words, the sentence is written once under the table
+    assert "| certified images (a tuning choice), compared on seeds 0 |" in table
+    assert table.count(e["selection"]) == 1 and f"Selection: {e['selection']}." in table
     # control: sigma 1.0 at 91 beats sigma 0.25 on the shared seed 0 (90), and is chosen
     units[-1] = _unit("dpcert", 1.0, 0, [91, 70, 50, 30])
     e = bench.envelope(units, "eps_3")
@@ -121,6 +125,10 @@ def test_docs_table_states_n_images_domains_and_met_or_missed(tmp_path):
     assert "r_[0,1] 0.5 (r_[-1,1] 1.0)" in table and "N 10000, 500 images |" in table
     assert "94.5 (dpcert, sigma_01 0.5, 1 seed; target >= 94: met)" in table
     assert "80.0 (dpcert, sigma_01 0.5, 1 seed; target >= 84: missed)" in table
+    # r 2.0 lies beyond what CERTIFY can return at sigma_01 0.5 and N 10,000 (every draw correct: 1.60)
+    assert "| 0 (beyond reach: r <= 1.60 at N 10000) (dpcert, sigma_01 0.5, 1 seed; target >= 30: missed) |" in table
+    assert bench.reach01(0.5, 10_000) == pytest.approx(0.5 * norm.ppf(0.001 ** 1e-4))
+    assert f"{bench.reach01(0.5, 100_000):.2f}" == "1.91" and f"{bench.reach01(1.0, 100_000):.2f}" == "3.81"
     assert "not run (target >= 90)" in table                   # epsilon 1 absent
     doc = tmp_path / "doc.md"
     doc.write_text("x\n<!-- dp_certified_mnist:begin -->\nold\n<!-- dp_certified_mnist:end -->\ny\n")
