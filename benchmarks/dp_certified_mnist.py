@@ -706,15 +706,15 @@ def envelope(units: list[dict], row: str, methods=None) -> dict | None:
                             **{k: us[0]["config"][k] for k in MECH_CONFIG_KEYS if k in us[0]["config"]}}
     by_validation = set(chosen_by) == {"validation"}
     out["shared_seeds"] = sorted(shared)
+    seeds_txt = ", ".join(map(str, out["shared_seeds"]))
     # the table's cell; the full sentence (``selection``) is written once under the table
     out["selection_short"] = ("validation split" if by_validation else
-                              "certified images (a tuning choice), compared on seeds "
-                              f"{', '.join(map(str, sorted(shared))) or 'none'}")
+                              f"certified images (a tuning choice), compared on seeds {seeds_txt or 'none'}")
     out["selection"] = ("per radius, the configuration best on the validation split (55,000 / 5,000)"
                         if by_validation else
                         "per radius, the envelope over the configurations run on the certified test images "
                         "themselves (Cohen et al.'s best sigma per radius), compared on the seeds they share "
-                        f"({', '.join(map(str, sorted(shared))) or 'none: each on its own'}) and reported over all "
+                        f"({seeds_txt or 'none: each on its own'}) and reported over all "
                         "seeds of the one chosen: a tuning choice on the test subset")
     eps = [u["epsilon"] for u in mine if u["epsilon"] is not None]
     eps6 = [u["epsilon_delta_1e-6"] for u in mine if u.get("epsilon_delta_1e-6") is not None]
@@ -852,10 +852,12 @@ def mechanism_label(method: str, row: str) -> str:
 
 def reach01(sigma01: float, n: int, alpha: float = ALPHA) -> float:
     """The largest [0, 1]-domain radius CERTIFY can return at ``sigma01`` with ``n`` draws: every draw
-    correct, p_A_lower = alpha^(1/n) (Clopper-Pearson), radius sigma Phi^-1(p_A_lower)."""
+    correct, p_A_lower the certifier's own bound at count n (alpha^(1/n)), radius sigma Phi^-1(p_A_lower)."""
     from scipy.stats import norm
 
-    return sigma01 * float(norm.ppf(alpha ** (1.0 / n)))
+    from dpmech.robustness.smoothing import lower_confidence_bound
+
+    return sigma01 * float(norm.ppf(lower_confidence_bound(n, n, alpha)))
 
 
 def _figure(e: dict, r: str) -> str:
