@@ -851,13 +851,11 @@ def mechanism_label(method: str, row: str) -> str:
 
 
 def reach01(sigma01: float, n: int, alpha: float = ALPHA) -> float:
-    """The largest [0, 1]-domain radius CERTIFY can return at ``sigma01`` with ``n`` draws: every draw
-    correct, p_A_lower the certifier's own bound at count n (alpha^(1/n)), radius sigma Phi^-1(p_A_lower)."""
-    from scipy.stats import norm
+    """The largest [0, 1]-domain radius CERTIFY can return at ``sigma01`` with ``n`` draws
+    (``dpmech.robustness.smoothing.max_radius`` with a [0, 1]-domain sigma)."""
+    from dpmech.robustness.smoothing import max_radius
 
-    from dpmech.robustness.smoothing import lower_confidence_bound
-
-    return sigma01 * float(norm.ppf(lower_confidence_bound(n, n, alpha)))
+    return max_radius(sigma01, n, alpha)
 
 
 def _figure(e: dict, r: str) -> str:

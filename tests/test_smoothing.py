@@ -130,6 +130,28 @@ def test_certify_abstains_at_a_tie():
     assert naive.sum() > _bound(runs, alpha)
 
 
+def test_max_radius_is_what_certify_returns_when_every_draw_agrees():
+    """Far from the hyperplane every draw is class 0: CERTIFY returns exactly the reach max_radius(sigma, n,
+    alpha), and no input gets more; a point the noise sometimes crosses gets less."""
+    model, w, b = _setup()
+    gen = torch.Generator().manual_seed(5)
+    n, alpha = 2000, 0.001
+    reach = smoothing.max_radius(SIGMA, n, alpha)
+    far, y = _at_distance(w, b, 50 * SIGMA, 3)
+    res = smoothing.certify(model, SIGMA, far, [y] * 3, n0=50, n=n, alpha=alpha, generator=gen)
+    assert np.all(res.count_a == n) and np.allclose(res.radius, reach, rtol=1e-12)
+    # its closed form: p_A_lower = alpha^(1/n) (Clopper-Pearson at count n)
+    from scipy.stats import norm
+    assert reach == pytest.approx(SIGMA * norm.ppf(alpha ** (1 / n)), rel=1e-9)
+    near, y = _at_distance(w, b, 1.5 * SIGMA, 3)
+    res = smoothing.certify(model, SIGMA, near, [y] * 3, n0=50, n=n, alpha=alpha, generator=gen)
+    assert np.all(res.count_a < n) and np.all(res.radius < reach)
+    # the benchmark's figure: sigma_01 0.5 at N 10,000 reaches 1.60 in the [0, 1] domain; N 100,000 reaches 1.91
+    assert round(smoothing.max_radius(0.5, 10_000), 2) == 1.60 and round(smoothing.max_radius(0.5, 100_000), 2) == 1.91
+    with pytest.raises(ValueError, match="sigma"):
+        smoothing.max_radius(0.0, n)
+
+
 def test_lower_confidence_bound_is_one_sided_clopper_pearson():
     from scipy.stats import beta
 

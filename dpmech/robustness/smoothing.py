@@ -11,6 +11,7 @@ Pseudocode box), the statistics delegated to statsmodels and scipy:
 
 * ``sample_noise``: SAMPLEUNDERNOISE, the counts of f's argmax over n Gaussian draws per input;
 * ``lower_confidence_bound``: LOWERCONFBOUND, the one-sided (1 - alpha) Clopper-Pearson bound;
+* ``max_radius``: the largest radius CERTIFY can return at a given sigma, n and alpha (its reach);
 * ``certify``: CERTIFY(f, sigma, x, n0, n, alpha), selection with n0 draws, estimation with n,
   abstain when p_A_lower <= 1/2, else radius sigma * Phi^{-1}(p_A_lower);
 * ``predict``: PREDICT(f, sigma, x, n, alpha), the top two counts and a two-sided binomial test
@@ -122,6 +123,16 @@ def lower_confidence_bound(count, n: int, alpha: float) -> np.ndarray:
         raise ValueError(f"count must be in [0, n={n}]")
     lo, _ = proportion_confint(count, n, alpha=2 * alpha, method="beta")
     return np.nan_to_num(np.asarray(lo, dtype=np.float64), nan=0.0)
+
+
+def max_radius(sigma: float, n: int, alpha: float = 0.001) -> float:
+    """The largest radius CERTIFY can return with ``n`` estimation draws at noise ``sigma``: every draw
+    counted for c_A, so p_A_lower is LOWERCONFBOUND(n, n, 1 - alpha) = alpha^(1/n) and the radius
+    sigma * Phi^{-1}(alpha^(1/n)) (Theorem 1 with that bound). Certified accuracy beyond it is 0 by
+    construction, whatever the model: a limit of N and sigma, not a measurement. Radius and sigma are in
+    the same domain (a [0, 1]-domain sigma gives a [0, 1]-domain radius)."""
+    sigma = v.positive("sigma", sigma)
+    return sigma * float(norm.ppf(lower_confidence_bound(n, n, alpha)))
 
 
 # ----------------------------------------------------------------------------- results

@@ -181,6 +181,12 @@ def smoothing_groups(sweep: Sweep) -> list[dict]:
     return [groups[k] for k in sorted(groups)]
 
 
+def _n_text(g: dict) -> str:
+    """`` at N 10,000`` (the smallest logged N of a configuration's trials), or nothing."""
+    ns = [n for n in (as_number(r.get("param.certify_n")) for r in g["rows"]) if math.isfinite(n)]
+    return f" at N {int(min(ns)):,}" if ns else ""
+
+
 def _counts(groups: list[dict]) -> str:
     """``N 100,000 (n0 100, alpha 0.001); 500 certified images`` over the drawn models."""
     def vals(key):
@@ -314,6 +320,23 @@ def _pct(v: float) -> str:
     return f"{100.0 * v:.1f}" if math.isfinite(v) else ""
 
 
+def reach01(g: dict) -> float:
+    """The largest [0, 1]-domain radius CERTIFY could return for configuration ``g`` (its sigma_[0,1] and the
+    smallest logged N and alpha of its trials; ``dpmech.robustness.smoothing.max_radius``): certified accuracy
+    beyond it is 0 by construction. Infinite where sigma or N is unknown (nothing is claimed then)."""
+    from dpmech.robustness.smoothing import max_radius
+
+    ns = [n for n in (as_number(r.get("param.certify_n")) for r in g["rows"]) if math.isfinite(n) and n >= 1]
+    alphas = [a for a in (as_number(r.get("param.smoothing_alpha")) for r in g["rows"]) if 0 < a < 0.5]
+    if not ns or not math.isfinite(g["sigma01"]) or g["sigma01"] <= 0:
+        return math.inf
+    return max_radius(g["sigma01"], int(min(ns)), min(alphas) if alphas else 0.001)
+
+
+def _beyond(reach: float, n_text: str) -> str:
+    return f"0.0 (beyond reach: r_[0,1] <= {reach:.2f}{n_text})"
+
+
 def radius_columns(radii01=RADII_01) -> list[str]:
     return [f"r_[0,1] {r:g} (r_[-1,1] {2 * r:g})" for r in radii01]
 
@@ -339,7 +362,11 @@ def radius_table(sweep: Sweep, refs=(), radii01=RADII_01, best: dict | None = No
                "epsilon (measured)": f"{max(eps):.4g}" if eps else "",
                "sigma_[0,1] (sigma_[-1,1])": f"{g['sigma01']:g} ({2 * g['sigma01']:g})" if math.isfinite(g["sigma01"])
                else "", "n": len(acc), "N, images": _counts([g]).replace("CERTIFY ", "")}
+        reach = reach01(g)
         for j, c in enumerate(cols):
+            if radii01[j] > reach and not acc[:, j].any():   # 0 by construction: say why, not a bare 0
+                row[c] = _beyond(reach, _n_text(g))
+                continue
             row[c] = _pct(float(acc[:, j].mean())) + (f" ± {100.0 * float(acc[:, j].std(ddof=1)):.1f}"
                                                       if len(acc) > 1 else "")
         rows.append(row)
@@ -353,9 +380,11 @@ def radius_table(sweep: Sweep, refs=(), radii01=RADII_01, best: dict | None = No
                "epsilon protects": protects_short(members[0][0]["trainable"], members[0][0]["epsilon"]),
                "n": min(len(g["tables"]) for g, _ in members),
                "N, images": _counts([g for g, _ in members]).replace("CERTIFY ", "")}
+        reach = max(reach01(g) for g, _ in members)
         for j, c in enumerate(cols):
             g, acc = max(members, key=lambda m: m[1][j])
-            row[c] = f"{_pct(float(acc[j]))} ({g['label']})"
+            row[c] = (_beyond(reach, " for every configuration") if radii01[j] > reach and not acc[j]
+                      else f"{_pct(float(acc[j]))} ({g['label']})")
         rows.append(row)
     for label, pts in anchors_from_refs(refs):
         row = {"configuration": f"published: {label}", "epsilon protects": "", "n": "",
