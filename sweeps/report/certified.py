@@ -182,9 +182,9 @@ def smoothing_groups(sweep: Sweep) -> list[dict]:
 
 
 def _n_text(g: dict) -> str:
-    """`` at N 10,000`` (the smallest logged N of a configuration's trials), or nothing."""
+    """`` at N 10,000`` (the largest logged N of a configuration's trials), or nothing."""
     ns = [n for n in (as_number(r.get("param.certify_n")) for r in g["rows"]) if math.isfinite(n)]
-    return f" at N {int(min(ns)):,}" if ns else ""
+    return f" at N {int(max(ns)):,}" if ns else ""
 
 
 def _counts(groups: list[dict]) -> str:
@@ -322,15 +322,16 @@ def _pct(v: float) -> str:
 
 def reach01(g: dict) -> float:
     """The largest [0, 1]-domain radius CERTIFY could return for configuration ``g`` (its sigma_[0,1] and the
-    smallest logged N and alpha of its trials; ``dpmech.robustness.smoothing.max_radius``): certified accuracy
-    beyond it is 0 by construction. Infinite where sigma or N is unknown (nothing is claimed then)."""
+    largest logged N and alpha of its trials, so that no trial of it could reach further;
+    ``dpmech.robustness.smoothing.max_radius``): certified accuracy beyond it is 0 by construction. Infinite
+    where sigma or N is unknown (nothing is claimed then)."""
     from dpmech.robustness.smoothing import max_radius
 
     ns = [n for n in (as_number(r.get("param.certify_n")) for r in g["rows"]) if math.isfinite(n) and n >= 1]
     alphas = [a for a in (as_number(r.get("param.smoothing_alpha")) for r in g["rows"]) if 0 < a < 0.5]
     if not ns or not math.isfinite(g["sigma01"]) or g["sigma01"] <= 0:
         return math.inf
-    return max_radius(g["sigma01"], int(min(ns)), min(alphas) if alphas else 0.001)
+    return max_radius(g["sigma01"], int(max(ns)), max(alphas) if alphas else 0.001)
 
 
 def _beyond(reach: float, n_text: str) -> str:
