@@ -181,19 +181,21 @@ def smoothing_groups(sweep: Sweep) -> list[dict]:
     return [groups[k] for k in sorted(groups)]
 
 
+def _logged(groups: list[dict], key: str) -> list[float]:
+    """The distinct finite values the trials of ``groups`` logged under ``key``, sorted."""
+    return sorted(v for v in {as_number(r.get(key)) for g in groups for r in g["rows"]} if math.isfinite(v))
+
+
 def _n_text(g: dict) -> str:
     """`` at N 10,000`` (the largest logged N of a configuration's trials), or nothing."""
-    ns = [n for n in (as_number(r.get("param.certify_n")) for r in g["rows"]) if math.isfinite(n)]
-    return f" at N {int(max(ns)):,}" if ns else ""
+    ns = _logged([g], "param.certify_n")
+    return f" at N {int(ns[-1]):,}" if ns else ""
 
 
 def _counts(groups: list[dict]) -> str:
     """``N 100,000 (n0 100, alpha 0.001); 500 certified images`` over the drawn models."""
-    def vals(key):
-        out = sorted({as_number(r.get(key)) for g in groups for r in g["rows"]} - {math.nan})
-        return [v for v in out if math.isfinite(v)]
-
-    ns, n0s, alphas = vals("param.certify_n"), vals("param.smoothing_n0"), vals("param.smoothing_alpha")
+    ns, n0s = _logged(groups, "param.certify_n"), _logged(groups, "param.smoothing_n0")
+    alphas = _logged(groups, "param.smoothing_alpha")
     images = sorted({len(t) for g in groups for t in g["tables"]})
     text = "CERTIFY N " + (" / ".join(f"{int(n):,}" for n in ns) if ns else "not logged")
     extra = [f"n0 {' / '.join(f'{int(v)}' for v in n0s)}" if n0s else "",
@@ -327,11 +329,11 @@ def reach01(g: dict) -> float:
     where sigma or N is unknown (nothing is claimed then)."""
     from dpmech.robustness.smoothing import max_radius
 
-    ns = [n for n in (as_number(r.get("param.certify_n")) for r in g["rows"]) if math.isfinite(n) and n >= 1]
-    alphas = [a for a in (as_number(r.get("param.smoothing_alpha")) for r in g["rows"]) if 0 < a < 0.5]
+    ns = [n for n in _logged([g], "param.certify_n") if n >= 1]
+    alphas = [a for a in _logged([g], "param.smoothing_alpha") if 0 < a < 0.5]
     if not ns or not math.isfinite(g["sigma01"]) or g["sigma01"] <= 0:
         return math.inf
-    return max_radius(g["sigma01"], int(max(ns)), max(alphas) if alphas else 0.001)
+    return max_radius(g["sigma01"], int(ns[-1]), alphas[-1] if alphas else 0.001)
 
 
 def _beyond(reach: float, n_text: str) -> str:
