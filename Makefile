@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/dpsweep run sweeps/quickstart.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pixeldp_mnist.py
