@@ -94,11 +94,18 @@ def foreign_ray():
             pytest.skip("ray start --head did not come up within 120 s")
         yield Path(CURRENT_CLUSTER_FILE).read_text().strip()
     finally:
+        # `ray start --block` shuts its daemons down gracefully on SIGTERM, which takes ~30 s here;
+        # a few seconds of grace, then the whole process group (gcs_server, raylet, workers) is killed.
         try:
             os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+            proc.wait(timeout=5)
         except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
         if backup is None:
             Path(CURRENT_CLUSTER_FILE).unlink(missing_ok=True)
         else:
