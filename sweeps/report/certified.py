@@ -312,8 +312,15 @@ def draw_radius_figure(curves: list[RadiusCurve], path: Path, *, anchors=(), not
 
     # wrapped to the figure's width: a note naming N and images per family runs long
     ax.set_title("\n".join(textwrap.fill(t, 110) for t in (title, note) if t), fontsize=8)
-    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1, title=None if show_all else
-              "thin: each configuration (table below)", title_fontsize=6)
+    # the legend hangs a fixed distance (points) below the x label: an offset in axes fractions put it over
+    # the label when a long title left the axes short
+    from matplotlib.transforms import offset_copy
+
+    fig.canvas.draw()
+    below = (ax.get_window_extent().y0 - ax.xaxis.label.get_window_extent().y0) * 72.0 / fig.dpi + 4.0
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=1, title=None if show_all else
+              "thin: each configuration (table below)", title_fontsize=6,
+              bbox_transform=offset_copy(ax.transAxes, fig=fig, y=-below, units="points"))
     _save(fig, ax, path)
     return True
 
