@@ -226,3 +226,32 @@ def test_the_report_page_carries_the_section(tmp_path):
     assert "| 30.0 | 30.0 | 30.0 | 0.0 (beyond reach: r_[0,1] <= 1.23 at N 1,000) |" in row and "[best]" in row   # best by smooth_cert_acc_2
     assert (out / "certified_radius.png").exists() and (out / "certified_radius.csv").exists()
     assert not (out / "smooth_cert_acc_vs_size.png").exists()
+
+
+def test_the_legend_stays_clear_of_the_x_label_under_a_long_title(tmp_path, monkeypatch):
+    """The legend hangs below the axes; a title of several lines (N and images per family) leaves the
+    axes short. In the saved figure the legend's box lies wholly below the x label's. Control: the
+    former anchor, a fixed fraction of the axes' height (-0.13), overlaps the label in the same figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.transforms import Bbox
+
+    from sweeps.report import plots as rp
+    from sweeps.report.certified import draw_radius_figure, radius_curves
+
+    figs = {}
+    real = rp._save
+    monkeypatch.setattr(rp, "_save", lambda fig, axes, path, **kw: (real(fig, axes, path, **kw),
+                                                                    figs.setdefault(path.name, fig)))
+    curves, _ = radius_curves(_sweep())
+    note = "; ".join(f"family {i}: N 100,000, 500 images" for i in range(30))    # about twelve lines
+    assert draw_radius_figure(curves, tmp_path / "r.png", note=note, title="a title")
+    fig = figs["r.png"]
+    ax = fig.axes[0]
+    canvas = FigureCanvasAgg(fig)           # the saved figure was closed: draw it again as saved
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    label = ax.xaxis.label.get_window_extent(renderer)
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert legend.y1 < label.y0 and legend.y0 >= 0          # below the label, inside the saved figure
+    old = ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)
+    assert Bbox.intersection(old.get_window_extent(renderer), label) is not None      # control
