@@ -43,7 +43,8 @@ def mnist():
 def small_trainer(mnist):
     (x, y), _ = mnist
     cfg = AdLMConfig(epsilon=3.0, batch_size=100, lr=1e-3, epochs=3, relevance_epochs=0, seed=5)
-    return AdLMTrainer(cfg, x[:600], y[:600], relevance_data=(x[2000:2300], y[2000:2300]))
+    return AdLMTrainer(cfg, x[:600], y[:600], relevance_data=(x[2000:2300], y[2000:2300]),
+                       noise_key=NoiseKey.reproducible(cfg.seed))
 
 
 # ============================================================================ budget

@@ -20,6 +20,7 @@ import torch.nn as nn
 from dpmech.privacy.audit.one_run import audit, loss_scores, make_canaries
 from dpmech.datasets.splits import load_held_out, load_splits
 from dpmech.dpsgd.trainer import DPSGDConfig, DPSGDTrainer
+from dpmech.privacy.secret import NoiseKey
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
               pytest.mark.usefixtures("one_thread")]
@@ -50,7 +51,7 @@ def trained(x, y, epsilon) -> DPSGDTrainer:
     # 40 epochs of Adam on ~730 examples: enough to memorise every mislabelled canary without DP
     cfg = DPSGDConfig(epsilon=epsilon, delta=DELTA, max_grad_norm=1.0, batch_size=75, epochs=40, lr=1e-3,
                       optimizer="adam", clipping="ghost", seed=0)
-    return DPSGDTrainer(mlp(), x, y, cfg, plan_size=TRAIN).fit()
+    return DPSGDTrainer(mlp(), x, y, cfg, plan_size=TRAIN, noise_key=NoiseKey.reproducible(cfg.seed)).fit()
 
 
 def run_audit(trainer: DPSGDTrainer, canaries) -> dict:

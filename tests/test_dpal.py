@@ -14,6 +14,7 @@ import torch
 
 from dpmech.robustness.attacks import pgd
 from dpmech.dpal.config import DPALConfig
+from dpmech.privacy.secret import NoiseKey
 from dpmech.dpal.model import DPALNet
 from dpmech.dpal.trainer import DPALTrainer
 from dpmech.dpal.noise import TrainingNoise
@@ -424,7 +425,7 @@ def trained():
     xt, yt = test.tensors
     cfg = DPALConfig(eps_t=10.0, theta1_bound=10.0, batch_size=250, lr=1e-3, attack_steps=2, epochs=3, psi=10.0,
                      n=200, bounds="argmax", mu_a=1e-4, seed=0)
-    tr = DPALTrainer(cfg, x, y)
+    tr = DPALTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     history = [tr.train_epoch() for _ in range(cfg.epochs)]
     return tr, xt, yt, history
 

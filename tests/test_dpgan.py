@@ -319,12 +319,12 @@ def test_short_run_beats_chance_in_train_on_synthetic_accuracy():
     xt, yt = test.tensors
     cfg = DPGANConfig(epsilon=None, epochs=10, batch_size=64, n_critic=1, hidden=128, latent_dim=32,
                       clip_weight=0.1, lr_critic=1e-3, lr_generator=1e-3, seed=0)
-    tr = DPGANTrainer(cfg, x, y)
+    tr = DPGANTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     for _ in range(cfg.epochs):
         tr.train_epoch()
     acc = tstr_accuracy(tr, xt, yt, n_samples=1000, epochs=2, seed=0)
     # negative control: the untrained generator's samples carry no label information
-    untrained = DPGANTrainer(cfg, x, y)
+    untrained = DPGANTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     acc0 = tstr_accuracy(untrained, xt, yt, n_samples=1000, epochs=2, seed=0)
     assert acc0 < 0.2
     assert acc > 0.25, acc

@@ -268,7 +268,7 @@ def test_engines_take_the_same_step_and_a_few_dp_steps_learn(name):
     for mode in ("bk", "ghost", "flat"):
         cfg = DPSGDConfig(epsilon=None, noise_multiplier=0.0, max_grad_norm=0.01, batch_size=32, lr=1.0,
                           momentum=0.0, clipping=mode, seed=0)
-        tr = DPSGDTrainer(build_feature_model(name, (81, 7, 7), 10, seed=5), x, y, cfg)
+        tr = DPSGDTrainer(build_feature_model(name, (81, 7, 7), 10, seed=5), x, y, cfg, noise_key=NoiseKey.reproducible(cfg.seed))
         before = torch.cat([p.detach().flatten().clone() for p in tr.model.parameters()])
         tr._step(idx)
         steps[mode] = torch.cat([p.detach().flatten() for p in tr.model.parameters()]) - before
@@ -279,7 +279,7 @@ def test_engines_take_the_same_step_and_a_few_dp_steps_learn(name):
     yy = (x.flatten(1) @ w).argmax(1)
     cfg = DPSGDConfig(epsilon=None, noise_multiplier=0.5, max_grad_norm=1.0, batch_size=32, lr=0.5,
                       momentum=0.9, clipping="bk", seed=0)
-    tr = DPSGDTrainer(build_feature_model(name, (81, 7, 7), 10, seed=5), x, yy, cfg)
+    tr = DPSGDTrainer(build_feature_model(name, (81, 7, 7), 10, seed=5), x, yy, cfg, noise_key=NoiseKey.reproducible(cfg.seed))
     with torch.no_grad():
         start = float(F.cross_entropy(tr.model(x), yy))
     for _ in range(3):

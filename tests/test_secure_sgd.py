@@ -50,7 +50,7 @@ def test_step_is_the_sum_of_per_example_gradients_clipped_to_c(noise_after):
     c = 0.05
     cfg = SecureSGDConfig(epsilon=None, noise_multiplier=0.0, max_grad_norm=c, batch_size=8, epochs=1, lr=1.0,
                           momentum=0.0, noise_after=noise_after, seed=3)
-    tr = SecureSGDTrainer(cfg, x, y)
+    tr = SecureSGDTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     tr.model.noise.ramp = 0.0  # deterministic forward, so the g_i can be recomputed exactly
     idx = _next_batch(tr)
     before = _flat_params(tr.model)
@@ -82,7 +82,7 @@ def test_per_example_norms_bounded_with_the_noise_layer_on():
     c = 0.05
     cfg = SecureSGDConfig(epsilon=None, noise_multiplier=0.0, max_grad_norm=c, batch_size=16, epochs=1, lr=1.0,
                           momentum=0.0, seed=5)
-    tr = SecureSGDTrainer(cfg, x, y)
+    tr = SecureSGDTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     n_b = len(_next_batch(tr))
     before = _flat_params(tr.model)
     tr.train_step()
@@ -158,11 +158,11 @@ def test_short_mnist_run_beats_chance_and_certifies():
     cfg = SecureSGDConfig(mechanism="agm", epsilon=None, noise_multiplier=1.0, batch_size=50, epochs=2, lr=0.1,
                           noise_after=0,
                           robustness_epsilon=1.0, robustness_delta=0.05, attack_bound=0.1, seed=0)
-    tr = SecureSGDTrainer(cfg, x, y)
+    tr = SecureSGDTrainer(cfg, x, y, noise_key=NoiseKey.reproducible(cfg.seed))
     for _ in range(cfg.epochs):
         tr.train_epoch()
     acc = tr.accuracy(xt, yt)
-    assert acc > 0.25, acc  # chance is 0.1 (measured: 0.405)
+    assert acc > 0.25, acc  # chance is 0.1 (measured: 0.405 at this key; 0.37 +- 0.05 over fresh keys)
     p = tr.privacy()
     assert p["epsilon"] == pytest.approx(tr.ledger.epsilon(1e-5)) and p["delta"] == 1e-5 and p["steps"] == 24
     assert 0 < p["epsilon_pld"] <= p["epsilon"] < math.inf
