@@ -944,11 +944,12 @@ def docs_table(summary: dict) -> str:
         rows.append("")
         rows.append("Selection: " + "; ".join(dict.fromkeys(e["selection"] for e in chosen)) + ".")
     missing = mechanisms_not_run(summary)
-    if missing:
+    if missing or summary.get("mechanisms"):
         rows.append("")
-        rows.append("Other mechanisms not run yet (`--methods dpal_sound secure_sgd pixeldp`): " + "; ".join(missing)
-                    + ". What each epsilon protects: " + "; ".join(f"{m}: {spec['protects']}"
-                                                                  for m, spec in MECHANISMS.items()) + ".")
+        rows.append(("Other mechanisms not run yet (`--methods dpal_sound secure_sgd pixeldp`): " + "; ".join(missing)
+                     + ". " if missing else "")
+                    + "What each epsilon protects: " + "; ".join(f"{m}: {spec['protects']}"
+                                                                for m, spec in MECHANISMS.items()) + ".")
     ns = sorted({e["n"] for e in chosen})
     if ns:
         rows.append("")
