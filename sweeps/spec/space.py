@@ -427,14 +427,17 @@ class TrainableSpace:
             raise SpecError(f"{where}: {pydantic_rule(err)} ({label}{': ' + swept if swept else ''})") from None
         return {"trainable": self.name, **model.model_dump()}
 
-    def expand(self, num_samples: int, rng: np.random.Generator, first: int = 0) -> Iterator[dict]:
+    def expand(self, num_samples: int, rng: np.random.Generator, first: int = 0,
+               repeat_seeds: bool = True) -> Iterator[dict]:
         """Grid/random trials: num_samples repeats of the grid (row-major in the order the keys
         are written), the choices and ranges drawn from ``rng`` for each trial.
 
         With num_samples > 1 each trial carries its ``repeat`` index r (0 .. num_samples - 1, a key
         outside the schema that the trial logs as a param). Repeat r > 0 runs with
         its own seed, ``repeat_seed(configured seed, r)``, unless ``seed`` is swept (a grid, choice
-        or range in ``search``): then the written seeds are left alone."""
+        or range in ``search``): then the written seeds are left alone. ``repeat_seeds=False`` keeps
+        the configured seed for every repeat (a tuning-private sweep's candidates: a public seed that
+        differs between candidates would name the released one, docs/tuning_privacy.md)."""
         fixed, grids, sampled = self.fixed, self.grid_dims, self.sampled_dims
         seed_swept = any(d.key == "seed" and d.swept for d in self.dims)
         n = first
@@ -444,7 +447,7 @@ class TrainableSpace:
                 values.update({d.key: copy.deepcopy(v) for d, v in zip(grids, combo)})
                 values.update({d.key: d.sample(rng) for d in sampled})
                 cfg = self.config(values, f"trial {n}")
-                if r and not seed_swept and "seed" in cfg:
+                if r and repeat_seeds and not seed_swept and "seed" in cfg:
                     cfg = self.config({**values, "seed": repeat_seed(cfg["seed"], r)}, f"trial {n}")
                 yield {**cfg, "repeat": r} if num_samples > 1 else cfg
                 n += 1
@@ -517,9 +520,10 @@ def yaml_float(text: str) -> str:
     return f"{mantissa}e{exponent}" if sep else mantissa
 
 
-def expand(spaces: Iterable[TrainableSpace], num_samples: int, seed: int) -> list[dict]:
+def expand(spaces: Iterable[TrainableSpace], num_samples: int, seed: int, repeat_seeds: bool = True) -> list[dict]:
     """Every trial of a grid/random sweep, trainables in order, from one Generator(seed); each
-    with its ``repeat`` index and, for repeats > 0, its own seed (``TrainableSpace.expand``)."""
+    with its ``repeat`` index and, for repeats > 0 (unless ``repeat_seeds`` is False), its own seed
+    (``TrainableSpace.expand``)."""
     spaces = list(spaces)
     total = sum(s.size(num_samples) for s in spaces)
     if total > MAX_TRIALS:
@@ -528,7 +532,7 @@ def expand(spaces: Iterable[TrainableSpace], num_samples: int, seed: int) -> lis
     rng = np.random.default_rng(seed)
     trials: list[dict] = []
     for space in spaces:
-        trials.extend(space.expand(num_samples, rng, first=len(trials)))
+        trials.extend(space.expand(num_samples, rng, first=len(trials), repeat_seeds=repeat_seeds))
     return trials
 
 

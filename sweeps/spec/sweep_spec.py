@@ -526,13 +526,18 @@ def _trials(spec: SweepSpec) -> list[dict]:
     """The cached expansion of a grid/random spec (computed once; validated specs are frozen)."""
     if spec._trials is None:
         n, seed = spec.search.num_samples, spec.search.seed
+        repeat_seeds = True
         if spec.tuning_privacy is not None:
             from sweeps.spec.tuning import draw_k, draws_seed
 
             # K trials, each drawn independently from the spec's distributions, from the sweep's secret
-            # (before ``dpsweep run`` binds it, e.g. at validate: from a throw-away one)
+            # (before ``dpsweep run`` binds it, e.g. at validate: from a throw-away one). Every candidate
+            # keeps the configured public seed (initialisation, augmentation, data subsets): a public seed
+            # per candidate index would let the released weights name their candidate, hence a lower bound
+            # on K (issue 48.1). The research mode keeps per-repeat seeds: its noise follows the seed.
             n, seed = draw_k(spec), draws_seed(spec)
-        spec._trials = expand(spec.spaces, n, seed)
+            repeat_seeds = spec.reproducible_noise
+        spec._trials = expand(spec.spaces, n, seed, repeat_seeds=repeat_seeds)
     return spec._trials
 
 
