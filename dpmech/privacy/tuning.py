@@ -116,12 +116,25 @@ def worst_case_rdp(events: Iterable[dpe.DpEvent], fast: bool = False) -> np.ndar
 
 
 def repeat_and_select_rdp(rdp: np.ndarray, distribution: str, mean: float, shape: float | None = None) -> np.ndarray:
-    """RDP curve of releasing the best of K trials, each with RDP curve ``rdp`` (Thms 2 and 6)."""
+    """RDP curve of releasing the best of K trials, each with RDP curve ``rdp`` (Thms 2 and 6).
+
+    Orders where the per-trial curve is not finite are left out of the computation and stay
+    infinite in the result (as the single-run conversion does): Thm 2 bounds order lambda from the
+    curve at lambda and at any second order lambda-hat, and Thm 6 from the curve's delta at a
+    derived epsilon-hat, a minimum over the orders given; a minimum over the finite orders only is
+    still a bound. Before issue 48 one non-finite order (dp-accounting does not converge at some
+    fractional orders for large sampling rates) made every order infinite, and an infinite
+    epsilon was released."""
     mean = _check_mean(mean)
-    if not np.all(np.isfinite(rdp)):
-        return np.full(len(RDP_ORDERS), np.inf)
-    return np.asarray(rdp_acc._compute_rdp_repeat_and_select(  # noqa: SLF001 - dp-accounting's Thm 2/6
-        list(RDP_ORDERS), list(rdp), mean, tuning_shape(distribution, shape)), dtype=np.float64)
+    rdp = np.asarray(rdp, dtype=np.float64)
+    orders = np.asarray(RDP_ORDERS, dtype=np.float64)
+    finite = np.isfinite(rdp)
+    out = np.full(len(RDP_ORDERS), np.inf)
+    if not finite.any():
+        return out
+    out[finite] = rdp_acc._compute_rdp_repeat_and_select(  # noqa: SLF001 - dp-accounting's Thm 2/6
+        list(orders[finite]), list(rdp[finite]), mean, tuning_shape(distribution, shape))
+    return out
 
 
 def tuning_epsilon(rdp: np.ndarray, delta: float, distribution: str, mean: float, shape: float | None = None) -> float:

@@ -235,6 +235,8 @@ class SweepSpec(_Section):
     # the sweep's secret (dpmech.privacy.secret.NoiseKey) once ``dpsweep run`` made it: a tuning-private
     # sweep draws K and its candidates from it (docs/threat_model.md)
     _noise_key: Any = PrivateAttr(None)
+    # tuning_privacy's summary (end-to-end epsilon, ...) computed at validation (check_tuning_guarantee)
+    _tuning_summary: dict | None = PrivateAttr(None)
 
     def bind_noise_key(self, key) -> None:
         """Draw the sweep's random choices that a guarantee rests on (tuning_privacy's K and its
@@ -809,6 +811,10 @@ def validate_spec(raw: dict) -> SweepSpec:
     else:
         _trials(spec)
     _check_subset_sizes(spec)
+    if spec.tuning_privacy is not None:
+        from sweeps.spec.tuning import check_tuning_guarantee
+
+        check_tuning_guarantee(spec)    # a finite end-to-end epsilon, at most the target
     _check_metrics(spec)
     _check_certify_images(spec)
     _check_reference(spec)

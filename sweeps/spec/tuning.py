@@ -4,9 +4,10 @@ Under ``tuning_privacy: {distribution, mean, shape, delta}`` a sweep is Papernot
 (2022) procedure, and dpsweep enforces every condition their theorem needs:
 
 * the number of trials K is drawn from the distribution, before anything runs, independently of
-  the data, from the sweep's secret (docs/threat_model.md): the bound assumes K unobserved, so K is
-  never logged, printed for publication or carried by the release bundle; the candidates'
-  hyperparameters are drawn from the secret too;
+  the data, from the sweep's secret (docs/threat_model.md): the bound assumes K unobserved, so K
+  stays in the owner's working state (console, MLflow store, ``dpsweep.json``; owner-only files)
+  and is never carried by the release bundle; the candidates' hyperparameters are drawn from the
+  secret too;
 * each trial draws its hyperparameters independently from the spec's distributions: random
   search over one trainable, no grid dimension (a grid is not a distribution), no adaptive
   searcher (Optuna) and no early stopping (ASHA): those make a trial depend on the others'
@@ -186,6 +187,29 @@ def tuning_summary(spec: "SweepSpec", ran_epsilon: float | None = None) -> dict[
         **({"tuning_target_epsilon": float(tp.target_epsilon), "trial_epsilon_calibrated": float(configs[0]["epsilon"])}
            if tp.target_epsilon is not None else {}),
     }
+
+
+def check_tuning_guarantee(spec: "SweepSpec") -> dict[str, float]:
+    """The tuning summary of the validated spec (kept on the spec for ``dpsweep run``), or SpecError
+    when its end-to-end epsilon is no guarantee: not finite, or above ``target_epsilon`` (issue 48.2:
+    an infinite epsilon was once run and released with exit 0)."""
+    summary = tuning_summary(spec)
+    refuse_guarantee(summary, spec.tuning_privacy.target_epsilon)
+    spec._tuning_summary = summary
+    return summary
+
+
+def refuse_guarantee(summary: dict, target: float | None, rtol: float = 1e-6) -> None:
+    """SpecError naming the rule when ``summary``'s end-to-end epsilon is not finite or exceeds
+    ``target`` (by more than ``rtol``, the calibration's rounding)."""
+    eps = summary.get("tuning_epsilon")
+    where = "tuning_privacy"
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps):
+        raise SpecError(f"{where}: the end-to-end epsilon is not finite ({eps}): the per-trial privacy curve is "
+                        "infinite at every order the accountant converges on; add noise (a smaller epsilon, a larger "
+                        "training set or fewer steps) or a smaller tuning_privacy.mean")
+    if target is not None and eps > target * (1 + rtol):
+        raise SpecError(f"{where}.target_epsilon: the end-to-end epsilon {eps:.6g} is above the target {target:g}")
 
 
 def ran_trial_epsilon(spec: "SweepSpec", rows: list[dict]) -> float | None:
