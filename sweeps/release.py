@@ -16,15 +16,19 @@ unobserved. The bundle holds that and nothing else:
 It refuses (``ReleaseRefused``: one line, exit 2) a sweep whose selection no guarantee covers
 (no ``tuning_privacy``), one that released nothing, one whose released candidate drew its noise
 from the public seed (``noise_source: seed``) or logged non-private diagnostics. The bundle is
-written to a temporary folder beside ``DIR`` and renamed into place: never half-written.
+written to an owner-only temporary folder beside ``DIR`` (``.DIR.release-partial-<pid>.*``) and renamed
+into place: never half-written; a release killed while writing leaves that folder, and the next
+release into ``DIR`` removes it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -97,7 +101,7 @@ def _sha256(path: Path) -> str:
 
 def check_releasable(client, parent) -> tuple[dict, object]:
     """(spec, released child run), or ReleaseRefused naming what stops the release."""
-    from trainables.diagnostics import FINAL_DIAGNOSTICS
+    from trainables.diagnostics import EPOCH_DIAGNOSTICS, FINAL_DIAGNOSTICS, TAG_DIAGNOSTICS
 
     name = parent.data.tags.get("mlflow.runName", parent.info.run_id)
     spec = _spec_of(client, parent)
@@ -106,6 +110,13 @@ def check_releasable(client, parent) -> tuple[dict, object]:
                              "there is nothing to release (docs/tuning_privacy.md)")
     if parent.info.status != "FINISHED":
         raise ReleaseRefused(f"sweep {name}: its parent run is {parent.info.status}, not FINISHED (resume it first)")
+    eps = parent.data.metrics.get("tuning_epsilon")
+    # MLflow stores an infinite metric as the largest float
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps >= sys.float_info.max:
+        raise ReleaseRefused(f"sweep {name}: its end-to-end epsilon is not finite ({eps}): no guarantee to release")
+    target = (spec.get("tuning_privacy") or {}).get("target_epsilon")
+    if isinstance(target, (int, float)) and eps > target * (1 + 1e-6):
+        raise ReleaseRefused(f"sweep {name}: its end-to-end epsilon {eps:.6g} is above the spec's target_epsilon {target:g}")
     child_id = parent.data.tags.get("dpsweep.released_run_id")
     if not child_id:
         raise ReleaseRefused(f"sweep {name}: no candidate was released (none finished, or none was drawn)")
@@ -114,13 +125,43 @@ def check_releasable(client, parent) -> tuple[dict, object]:
     if noise != "secret":
         raise ReleaseRefused(f"sweep {name}: the released candidate drew its noise from the public seed "
                              f"(noise_source: seed, {noise or 'untagged'}): its epsilon is no guarantee for a release")
-    logged = child.data.tags.get("dpsweep.diagnostics", "none")
-    leaked = sorted(set(child.data.metrics) & {"train_loss", *FINAL_DIAGNOSTICS})
+    # what the trial says it logged (its TAG_DIAGNOSTICS, "none" with diagnostics: false) and what it did log
+    logged = child.data.tags.get(TAG_DIAGNOSTICS, "untagged")
+    leaked = sorted(set(child.data.metrics) & {*EPOCH_DIAGNOSTICS, *FINAL_DIAGNOSTICS})
     if logged != "none" or leaked:
         what = ", ".join(leaked) or logged
         raise ReleaseRefused(f"sweep {name}: the released candidate logged non-private diagnostics ({what}), computed on "
                              "the training data without noise; rerun with common.diagnostics: false")
     return spec, child
+
+
+def _partial_prefix(out: Path) -> str:
+    return f".{out.name}.release-partial-"
+
+
+def _clean_partial(out: Path) -> list[Path]:
+    """Remove the folders a release into ``out`` left half-written when it was killed (named
+    ``.<out>.release-partial-<pid>.*``, owner-only): those whose process is gone. They hold the
+    released weights before the bundle is complete; the next release into ``out`` removes them."""
+    removed = []
+    prefix = _partial_prefix(out)
+    for path in out.parent.glob(prefix + "*"):
+        pid = path.name[len(prefix):].split(".", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid != 0
 
 
 def make_release(experiment: str, out: str | Path, tracking_uri: str, run_id: str | None = None) -> Path:
@@ -142,8 +183,9 @@ def make_release(experiment: str, out: str | Path, tracking_uri: str, run_id: st
     metric = (spec.get("search") or {}).get("metric")
     tp = spec["tuning_privacy"]
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _clean_partial(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_partial_prefix(out)}{os.getpid()}.", dir=out.parent))  # mode 0700
     try:
         (tmp / "model").mkdir()
         try:
