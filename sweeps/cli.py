@@ -250,13 +250,14 @@ def _run(args, interrupts, sweep: dict) -> int:
         from sweeps.spec.tuning import tuning_summary
 
         try:
-            tuning = tuning_summary(spec)
+            tuning = spec._tuning_summary or tuning_summary(spec)
         except (SpecError, ValueError) as exc:
             _err(str(exc))
             return EXIT_INVALID
         tp = spec.tuning_privacy
         print(f"tuning privacy: K candidates drawn from the sweep's secret ({tp.distribution}, mean {tp.mean:g}; K "
-              f"is never logged: the guarantee assumes it unobserved); only the best by {spec.search.metric} is "
+              f"stays in the owner's working state, never in the release: the guarantee assumes it unobserved); "
+              f"only the best by {spec.search.metric} is "
               f"released; end-to-end epsilon {tuning['tuning_epsilon']:.4g} at delta {tuning['tuning_delta']:.3g} "
               f"(one trial: at most {tuning['trial_epsilon_worst']:.4g})", flush=True)
     from sweeps.words import counted
@@ -328,8 +329,10 @@ def _run(args, interrupts, sweep: dict) -> int:
     info["candidates"] = spec.tuning_privacy is not None  # the console calls them candidates, not repeats
     artifact_warning(info)
     if "://" not in storage:
+        from sweeps.secret_store import fingerprint
+
         save_state(Path(exp_dir), {"spec": spec.raw, "mlflow": info, "run_name": run_name, "total": total,
-                                   "gpu": gpu})
+                                   "gpu": gpu, "secret_fingerprint": fingerprint(noise_key)})
     print(f"experiment {exp_dir}; MLflow parent run {info['parent_run_id']}", flush=True)
     print(f"secret:   {secret_path} (the sweep's noise key: owner only, never logged; resume and reproduction need it)",
           flush=True)
@@ -555,10 +558,11 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     rows, summary, failed = summarize(results, extra_metrics=console_metrics(spec))
     tuning = None
     if spec.tuning_privacy is not None:
-        from sweeps.spec.tuning import candidates_beyond_guarantee, ran_trial_epsilon, tuning_summary
+        from sweeps.spec.tuning import candidates_beyond_guarantee, ran_trial_epsilon, refuse_guarantee, tuning_summary
 
         try:   # the guarantee of what ran: the candidates' own per-trial epsilon, checked against their ledgers
             tuning = tuning_summary(spec, ran_trial_epsilon(spec, [r for r in rows if r.get("status") == "DONE"]))
+            refuse_guarantee(tuning, spec.tuning_privacy.target_epsilon)
             beyond = candidates_beyond_guarantee(rows, tuning)
         except ValueError as exc:
             beyond = [str(exc)]
@@ -614,14 +618,16 @@ def _resume(args, interrupts, sweep: dict) -> int:
     from ray import tune
 
     from sweeps.runner import load_state, ray_init
-    from sweeps.secret_store import load_secret
+    from sweeps.secret_store import check_fingerprint, load_secret, secret_path
     from sweeps.spec import SpecError, validate_spec
 
     exp_dir = Path(args.experiment_path).expanduser().resolve()
     try:
         state = load_state(exp_dir)
         spec = validate_spec(state["spec"])
-        noise_key = None if spec.reproducible_noise else load_secret(str(exp_dir), state.get("run_name") or exp_dir.name)
+        run_name = state.get("run_name") or exp_dir.name
+        noise_key = None if spec.reproducible_noise else load_secret(str(exp_dir), run_name)
+        check_fingerprint(noise_key, state.get("secret_fingerprint"), str(secret_path(str(exp_dir), run_name)))
         spec.bind_noise_key(noise_key)
     except (FileNotFoundError, SpecError, ValueError) as exc:
         _err(str(exc))
@@ -777,7 +783,20 @@ def main(argv: list[str] | None = None) -> int:
 
     bound_mlflow_http()  # a failing tracking server ends a call in minutes, not tens of minutes (docs/faults.md)
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    from trainables.owner_files import owner_umask
+
+    try:
+        mask = owner_umask()
+    except ValueError as exc:
+        _err(str(exc))
+        return EXIT_INVALID
+    # the owner's working state (experiment folder, checkpoints, local MLflow store, report) is
+    # created owner-only; Ray's local workers inherit the mask (docs/threat_model.md)
+    old = os.umask(mask)
+    try:
+        return args.fn(args)
+    finally:
+        os.umask(old)
 
 
 if __name__ == "__main__":

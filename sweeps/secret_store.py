@@ -6,10 +6,27 @@ writes it: it is never logged to MLflow, never in an artifact, never printed."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
 SECRET_FILE = "dpsweep.secret"
+def fingerprint(key) -> str | None:
+    """A one-way fingerprint of the sweep's key (None for the research mode's key): stored with the
+    sweep so a resume can tell another sweep's key from its own without storing the key. SHA-256 of
+    a domain label and the key, 128 bits: it reveals nothing of the key."""
+    if key is None or key.reproducible_mode:
+        return None
+    return hashlib.sha256(b"dpsweep key fingerprint\x00" + bytes.fromhex(key.hex())).hexdigest()[:32]
+
+
+def check_fingerprint(key, expected: str | None, path: str) -> None:
+    """ValueError in one line when ``key`` is not the key whose fingerprint the sweep stored."""
+    if expected is None or key is None:
+        return
+    if fingerprint(key) != expected:
+        raise ValueError(f"{path}: this secret is not the one the sweep was started with (its fingerprint "
+                         f"differs from dpsweep.json's secret_fingerprint); restore the sweep's own dpsweep.secret")
 
 
 def secret_path(exp_dir: str, run_name: str) -> Path:

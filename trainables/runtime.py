@@ -222,6 +222,12 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
     from trainables.diagnostics import FINAL_DIAGNOSTICS, TAG_DIAGNOSTICS, diagnostic_names, drop, epoch_diagnostics
     from trainables.tracking import TAG_DEVICE, TAG_NOISE, TrialTracker, run_name
 
+    from trainables.owner_files import OWNER_UMASK, owner_umask
+
+    try:   # what this trial writes (checkpoints, local MLflow artifacts) is the owner's only
+        os.umask(owner_umask())
+    except ValueError:
+        os.umask(OWNER_UMASK)
     cfg = validate_config(config, schema)
     info = mlflow_info(config)
     key = trial_key(cfg, trainable, config)
