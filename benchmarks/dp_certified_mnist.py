@@ -14,7 +14,7 @@ own dpmech trainer at the row's recipe and smoothed with the Gaussian input nois
 Every unit writes
 ``benchmarks/results/dp_certified_mnist/<unit>.json`` as soon as it ends (a unit already there is
 skipped; ``claimed_unit`` lets several processes share the grid); training checkpoints every epoch
-under ``--ckpt-dir`` (outside the repository: it holds the secret noise generator's state), and the
+under ``--ckpt-dir`` (outside the repository; since issue 48 it holds no generator state), and the
 trained weights and training record go to ``dp_certified_mnist/models/``, so that an interrupted
 certification, or a unit at another N (100,000 after 10,000), certifies the same model without
 training again; a certification records each finished chunk of images in
@@ -230,9 +230,11 @@ def cert_progress(runs: Path, stem: str) -> Path:
     return runs / "progress" / f"{stem}.cert.json"
 
 
-# What a DP-SGD trainer's checkpoint holds that must stay secret: the Poisson sampling's and the noise's
-# generators (their states replay the draws the guarantee rests on). The rest (weights, optimizer, ledger,
-# counters, the public augmentation stream, bk routes) is a function of the released noisy steps.
+# What a DP-SGD trainer's checkpoint held before issue 48 that must stay secret: the Poisson sampling's and
+# the noise's generators (their states replay the draws the guarantee rests on). Since issue 48 a trainer with
+# a secret key stores neither (its draws at step t follow from the key and t), so both checkpoints hold the
+# same; the filter stays as a guard. The rest (weights, optimizer, ledger, counters, the public augmentation
+# stream, bk routes) is a function of the released noisy steps.
 SECRET_STATE = ("sample_gen", "noise_gen")
 
 
@@ -390,10 +392,12 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
     epoch_seconds, fresh_at = [], []
     public = None if progress is None else public_checkpoint(progress, name)
     if ckpt is not None and ckpt.exists():
-        saved = torch.load(ckpt, weights_only=False)      # our own file (generator states, ledger)
+        saved = torch.load(ckpt, weights_only=False)      # our own file (weights, optimizer, ledger, step)
         trainer.load_state_dict(saved["trainer"])
-        epoch_seconds, fresh_at = saved["epoch_seconds"], saved.get("fresh_secret_at_epochs", [])
-        log(f"[{label}] resumed at epoch {trainer.epoch}")
+        # the key is this process's (a checkpoint holds no generator state since issue 48): fresh draws
+        epoch_seconds = saved["epoch_seconds"]
+        fresh_at = [*saved.get("fresh_secret_at_epochs", []), trainer.epoch]
+        log(f"[{label}] resumed at epoch {trainer.epoch}, with this process's fresh secret sampling and noise")
     elif public is not None and public.exists():
         epoch_seconds, fresh_at = resume_public(trainer, public)
         log(f"[{label}] resumed at epoch {trainer.epoch} from the public checkpoint {public.name}, with this "

@@ -201,17 +201,27 @@ def test_non_private_mode_is_plain_adversarial_training():
 
 
 def test_checkpoint_continues_bit_for_bit():
+    """With the owner's key the continuation is bit for bit; with another key it is not (issue 48: the
+    checkpoint holds the step, not the sampling and noise generators' states)."""
+    from dpmech.privacy.secret import NoiseKey
+
     x, y = tiny_data()
     cfg = tiny_config(noise_multiplier=1.0)
-    a = DPALSoundTrainer(tiny_model(), x, y, cfg)
+    key = NoiseKey.fresh()
+    a = DPALSoundTrainer(tiny_model(), x, y, cfg, noise_key=key)
     a.train_step()
     state = a.state_dict()
-    b = DPALSoundTrainer(tiny_model(seed=5), x, y, cfg)
+    assert "sample_gen" not in state and "noise_gen" not in state
+    b = DPALSoundTrainer(tiny_model(seed=5), x, y, cfg, noise_key=key)
     b.load_state_dict(state)
+    other = DPALSoundTrainer(tiny_model(seed=5), x, y, cfg)          # a fresh key: not the owner
+    other.load_state_dict(state)
     a.train_step()
     b.train_step()
+    other.train_step()
     for p, q in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(p, q)
+    assert not all(torch.equal(p, q) for p, q in zip(a.model.parameters(), other.model.parameters()))
 
 
 def test_invalid_configs_name_the_field():

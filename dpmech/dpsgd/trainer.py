@@ -4,7 +4,7 @@ One step t of Algorithm 1, as implemented by :meth:`DPSGDTrainer.train_step`:
 
 * **Sampling** (Alg. 1 line "take a random sample L_t with sampling probability q"): every one of
   the N training examples joins the batch independently with probability q = batch_size / N
-  (Poisson sampling, drawn from the trainer's own ``torch.Generator``), so the batch size varies
+  (Poisson sampling, drawn from the trainer's sampling stream at step t), so the batch size varies
   (mean N q, variance N q (1 - q)); the privacy analysis (the moments accountant, Abadi et al.
   Thm. 1; subsampled RDP, Mironov, Talwar & Zhang 2019) assumes exactly this sampling.
 * **Per-example gradients and clipping** (lines "compute gradient" and "clip gradient"):
@@ -17,8 +17,16 @@ One step t of Algorithm 1, as implemented by :meth:`DPSGDTrainer.train_step`:
   same clipped sum (tested); bk is the fastest (docs/dpsgd.md, speed table).
 * **Noise** (line "add noise"): g_bar = (sum_i g_i + N(0, sigma^2 C^2 I)) / B with B the
   *expected* batch size (Opacus's ``loss_reduction="mean"`` with Poisson sampling), noise drawn
-  from the trainer's explicit noise generator (by the trainer in bk mode, by the Opacus
-  ``DPOptimizer`` in ghost and flat modes).
+  from the trainer's noise stream at step t (by the trainer in bk mode, by the Opacus
+  ``DPOptimizer`` in ghost and flat modes, which holds the stream's generator).
+
+Randomness and checkpoints (docs/threat_model.md; DESIGN.md, Conventions: "a checkpoint holds the
+step, not a generator state"): the sampling and the noise of step t come from
+per-step streams of the secret key (:class:`~dpmech.privacy.secret.StepStream`: HMAC(key, stream, t)), so
+they are a function of (key, t) only; a checkpoint holds the step counter, the model, the optimizer
+and the ledger, and no state of those two streams (with the research mode's public seed, their
+running generators' states, as before). Resuming with the owner's key continues bit for bit; a
+checkpoint read without the key lets no one replay the steps to come.
 * **Descent** (line "descent"): the wrapped torch optimizer (SGD with momentum, or Adam; both are
   post-processing of g_bar).
 * **Accounting**: after every step actually taken, ``(q, sigma, 1)`` goes into the
@@ -48,7 +56,7 @@ Engine API (for DP-SGD itself and for mechanisms built on it, e.g. SecureSGD)::
     trainer.privacy()                # epsilon (RDP), epsilon_pld, delta, noise_multiplier, sampling_rate, steps
     trainer.ledger                   # PrivacyLedger of the steps actually taken
     trainer.model                    # the plain nn.Module being trained (after ModuleValidator.fix)
-    state = trainer.state_dict(); fresh.load_state_dict(state)   # bit-for-bit continuation
+    state = trainer.state_dict(); fresh.load_state_dict(state)   # bit-for-bit continuation (same key)
 
 ``DPSGDConfig`` modes: ``epsilon`` set -> sigma calibrated; ``noise_multiplier`` set (epsilon
 None) -> that sigma is used as is (0 allowed: clipping without noise, epsilon inf); both None ->
@@ -350,12 +358,15 @@ class DPSGDTrainer:
         else:
             base = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
 
-        # Sampling and noise (the draws the guarantee rests on) from the secret key (docs/threat_model.md);
-        # the research mode's key replays the public seed's streams. Augmentation is per example and
-        # data-independent: it follows the public seed.
+        # Sampling and noise (the draws the guarantee rests on) from the secret key, per step
+        # (docs/threat_model.md): the generator of step t is seeded by HMAC(key, stream, t), so a
+        # checkpoint holds no state of them; the research mode's key replays the public seed's running
+        # streams. Augmentation is per example and data-independent: it follows the public seed.
         self.noise_key = NoiseKey.resolve(noise_key)
-        self.sample_gen = self.noise_key.generator("dpsgd.sampling", stream_seed(config.seed, _SAMPLING))
-        self.noise_gen = self.noise_key.generator("dpsgd.noise", stream_seed(config.seed, _NOISE), self.device)
+        self.sample_stream = self.noise_key.step_stream("dpsgd.sampling", stream_seed(config.seed, _SAMPLING))
+        self.noise_stream = self.noise_key.step_stream("dpsgd.noise", stream_seed(config.seed, _NOISE), self.device)
+        self.sample_gen = self.sample_stream.generator   # the streams' generators (reseeded per step by at())
+        self.noise_gen = self.noise_stream.generator
         self.augment_gen = torch.Generator(device=self.device).manual_seed(stream_seed(config.seed, _AUGMENT))
 
         self.gsm = None
@@ -490,8 +501,10 @@ class DPSGDTrainer:
 
     # -------------------------------------------------------------- one step
     def poisson_batch(self) -> torch.Tensor:
-        """Indices of one Poisson sample: each example independently with probability q."""
-        mask = torch.rand(self.num_examples, generator=self.sample_gen) < self.plan.sampling_rate
+        """Indices of one Poisson sample: each example independently with probability q (drawn from
+        the sampling stream's generator of the step about to be taken)."""
+        gen = self.sample_stream.at(self.steps)
+        mask = torch.rand(self.num_examples, generator=gen) < self.plan.sampling_rate
         return torch.nonzero(mask, as_tuple=False).squeeze(1).to(self.device)
 
     @property
@@ -589,6 +602,7 @@ class DPSGDTrainer:
         :meth:`train_step` makes that true; tests call this directly to fix a batch)."""
         self.model.train()
         cfg = self.config
+        self.noise_stream.at(self.steps)   # this step's noise generator (bk: noise_gen; Opacus holds the same)
         idx, canary_ids = self._split_canaries(idx)      # white-box canaries drawn with the examples
         rows = canary_ids if self.canaries is not None and self._canaries_engine else canary_ids[:0]
         if idx.numel() == 0 and len(rows) == 0:
@@ -691,14 +705,18 @@ class DPSGDTrainer:
 
     # -------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:
-        """A deep copy of everything needed to continue bit for bit: model, optimizer, the three
-        generators, the ledger, epoch and step counters."""
+        """A deep copy of everything needed to continue bit for bit with the same key: model,
+        optimizer, the ledger, epoch and step counters, the public augmentation generator. With a
+        secret key, no state of the sampling and noise streams (their draws at step t follow from the
+        key and t: a checkpoint must not stand in for the secret); in the research mode their
+        running generators' states (``sample_gen``, ``noise_gen``), as before."""
+        streams = {k: st for k, st in (("sample_gen", self.sample_stream.state_dict()),
+                                       ("noise_gen", self.noise_stream.state_dict())) if st is not None}
         return copy.deepcopy({
             "config": self.config.to_dict(),
             "model": self.model.state_dict(),
             "optimizer": self.base_optimizer.state_dict(),
-            "sample_gen": self.sample_gen.get_state(),
-            "noise_gen": self.noise_gen.get_state(),
+            **streams,
             "augment_gen": self.augment_gen.get_state(),
             "ledger": self.ledger.state_dict(),
             "epoch": self.epoch,
@@ -710,12 +728,18 @@ class DPSGDTrainer:
         })
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`. With a secret key the sampling and noise streams are not
+        read from the checkpoint (one written before issue 48 holds their states: ignored; the steps
+        to come draw from the key and the step); in the research mode a checkpoint without them is
+        refused in one line naming the field."""
         matching_checkpoint(state["config"], self.config.to_dict())
         self.model.load_state_dict(state["model"])
-        self.base_optimizer.load_state_dict(state["optimizer"])
+        # a copy: torch's load_state_dict keeps the checkpoint's tensors (momentum buffers) and the steps
+        # would then update the caller's checkpoint in place
+        self.base_optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         # generator states are CPU byte tensors (a checkpoint loaded with map_location may have moved them)
-        self.sample_gen.set_state(state["sample_gen"].cpu())
-        v.set_generator_state("noise_gen", self.noise_gen, state["noise_gen"])
+        self.sample_stream.load_state_dict(state.get("sample_gen"), "sample_gen")
+        self.noise_stream.load_state_dict(state.get("noise_gen"), "noise_gen")
         v.set_generator_state("augment_gen", self.augment_gen, state["augment_gen"])
         self.ledger.load_state_dict(state["ledger"])
         self.epoch = int(state["epoch"])

@@ -18,6 +18,17 @@ the sweep's key, can reproduce or resume any trial.
 derivation the caller names (the project's earlier behaviour, so earlier figures replay bit for
 bit). Its epsilons are labelled: there is no guarantee against anyone who knows the seed.
 
+**Per-step streams** (:class:`StepStream`, issue 48): a trainer that draws at every step (Poisson
+sampling, gradient noise, randomized response at a stage) asks its stream for "the generator of step
+t"; with a secret key that generator is seeded by ``HMAC-SHA256(key, "step", stream name, t)``
+truncated to 63 bits, so each step's draws are a function of (key, step) only, and a checkpoint
+needs to hold the step counter, never a generator state (DESIGN.md, Conventions: "nothing stored
+beside a run may stand in for the secret (a checkpoint holds the step, not a generator state)").
+A CPU generator's state holds its seed and its next draws: a checkpoint that held it let anyone
+who read the checkpoint continue the run on both neighbouring datasets and decide membership (the
+review of issue 48). In the research mode a stream is one running generator seeded from the public
+seed, as before, and its state is checkpointed (it is public anyway; earlier figures replay).
+
 What is not covered (docs/threat_model.md): ``torch.Generator`` is Mersenne Twister on the CPU
 and Philox on CUDA, not a cryptographically secure generator; an adversary who observed raw
 draws could predict others (a release holds none, only the trained weights). Floating-point
@@ -109,6 +120,21 @@ class NoiseKey:
             return int(public)
         return int.from_bytes(self._mac("stream:" + name)[:8], "big") >> 1
 
+    def step_seed(self, name: str, step: int) -> int:
+        """The 63-bit seed of stream ``name`` at step ``step`` (secret mode only): HMAC of the key, the
+        stream's name and the step, unambiguously encoded."""
+        if self._key is None:
+            raise ValueError("NoiseKey: the research mode has no per-step seeds (its streams run on from the "
+                             "public seed)")
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"step: must be >= 0, got {step}")
+        return int.from_bytes(self._mac(f"step:{len(name)}:{name}:{step}")[:8], "big") >> 1
+
+    def step_stream(self, name: str, public: int, device: str | torch.device = "cpu") -> "StepStream":
+        """The :class:`StepStream` of ``name`` (``public``: the research mode's seed of the stream)."""
+        return StepStream(self, name, public, device)
+
     def generator(self, name: str, public: int, device: str | torch.device = "cpu") -> torch.Generator:
         """A ``torch.Generator`` on ``device`` seeded with ``stream_seed(name, public)``."""
         return torch.Generator(device=device).manual_seed(self.stream_seed(name, public))
@@ -140,3 +166,64 @@ class NoiseKey:
 
     def __hash__(self) -> int:
         return hash((self._public_seed, self._mac("hash") if self._key else None))
+
+
+class StepStream:
+    """One random stream of a trainer, asked for "the generator of step t" (module docstring).
+
+    * Secret key: :meth:`at` reseeds the stream's generator with ``key.step_seed(name, t)`` at the
+      first request for step t; later requests at the same step go on drawing from it (a step may
+      draw several times). The draws of step t are a function of (key, name, t) only, so resuming
+      at step t needs the step counter alone: :meth:`state_dict` is None.
+    * Research mode (``NoiseKey.reproducible``): one running generator seeded with ``public`` (the
+      earlier behaviour, bit for bit), whatever the step; :meth:`state_dict` is its state.
+
+    :attr:`generator` is the one ``torch.Generator`` object, reseeded in place, so a component that
+    holds it (Opacus's ``DPOptimizer``) draws step t's noise once the trainer has called ``at(t)``.
+    Draws of step t must be finished before step t + 1 is asked for.
+    """
+
+    __slots__ = ("key", "name", "generator", "_step")
+
+    def __init__(self, key: NoiseKey, name: str, public: int, device: str | torch.device = "cpu"):
+        if not isinstance(key, NoiseKey):
+            raise ValueError(f"noise_key must be a dpmech.privacy.secret.NoiseKey, got {type(key).__name__}")
+        self.key = key
+        self.name = str(name)
+        # research mode: seeded from the public seed as before; secret mode: reseeded by at(t)
+        self.generator = key.generator(self.name, public, device)
+        self._step: int | None = None
+
+    @property
+    def keyed(self) -> bool:
+        """True when the draws come from a secret key (per-step seeds, nothing to checkpoint)."""
+        return not self.key.reproducible_mode
+
+    def at(self, step: int) -> torch.Generator:
+        """The generator of step ``step`` (module docstring)."""
+        if self.keyed and step != self._step:
+            self.generator.manual_seed(self.key.step_seed(self.name, step))
+            self._step = step
+        return self.generator
+
+    def state_dict(self):
+        """What a checkpoint holds of this stream: None with a secret key (the step counter the
+        trainer stores suffices), the running generator's state in the research mode."""
+        return None if self.keyed else self.generator.get_state()
+
+    def load_state_dict(self, state, field: str) -> None:
+        """Continue from a checkpoint's ``state`` (``field``: its name there, for the error). With a
+        secret key the state is not read, whatever it holds (a checkpoint written before issue 48
+        held one: the draws of the steps to come follow from the key and the step, not from it); in
+        the research mode a missing state is refused in one line (the stream would replay the draws
+        of the steps already taken)."""
+        self._step = None
+        if self.keyed:
+            return
+        if state is None:
+            raise ValueError(f"checkpoint.{field}: missing; the checkpoint was saved by a trainer with a secret key "
+                             "(its streams follow from the key and the step): resume it with that key, not in the "
+                             "research mode")
+        from dpmech._validate import set_generator_state
+
+        set_generator_state(field, self.generator, state)
