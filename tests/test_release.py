@@ -28,7 +28,8 @@ SUBSET = ["common.train_size=128", "common.test_size=32", "tuning_privacy.mean=2
 def ray_local():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    # address="local": a private Ray even where another one runs on the machine (issue 49.9)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
     ray.shutdown()
 
@@ -93,6 +94,10 @@ def test_secret_sweep_release_bundle_and_replay(tmp_path, ray_local, monkeypatch
     assert child.data.tags["dpsweep.noise"] == "secret"
     secret_file = next((tmp_path / "ray_results").glob("*/dpsweep.secret"))
     assert secret_file.stat().st_mode & 0o077 == 0             # the owner's only
+    # so is all the working state: the experiment folder, the checkpoints, the local MLflow store (issue 48.3)
+    state = [*secret_file.parent.rglob("*"), secret_file.parent, tmp_path / "mlflow.db", *(tmp_path / "mlruns").rglob("*")]
+    readable = [f"{p} {oct(p.stat().st_mode)}" for p in state if p.exists() and p.stat().st_mode & 0o077]
+    assert not readable, readable[:5]
     secret = secret_file.read_text().strip()
     for run in (parent, *children):                            # never logged
         logged = json.dumps([run.data.params, run.data.tags, run.data.metrics])

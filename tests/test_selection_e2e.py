@@ -21,7 +21,7 @@ TINY = {"dataset": "mnist", "train_size": 200, "test_size": 60, "epochs": 1, "ba
 def ray_local():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
     ray.shutdown()
 
