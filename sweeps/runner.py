@@ -547,12 +547,49 @@ def probe_ray(address: str, timeout: float = PROBE_SECONDS, current_file: str = 
     if not host or not port.isdigit():
         raise RayUnreachable(f"RAY_ADDRESS={address}: not host:port (e.g. 10.0.0.5:6379), ray://host:port or auto")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return target
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as conn:
+            answer = _grpc_answer(conn, timeout)
     except OSError as exc:
         raise RayUnreachable(f"RAY_ADDRESS={address}: no Ray cluster answers at {target} within {timeout:g} s "
                              f"({exc.strerror or type(exc).__name__}); start it, or unset RAY_ADDRESS for a private "
                              "local Ray") from None
+    if answer is not None:   # ray.init would loop on "Failed to get cluster ID" for minutes (issue 49.2)
+        raise RayUnreachable(f"RAY_ADDRESS={address}: the service at {target} is not a Ray cluster ({answer}); "
+                             "point RAY_ADDRESS at the head's GCS port (6379 by default), or unset it for a private "
+                             "local Ray")
+    return target
+
+
+# HTTP/2's client connection preface and an empty SETTINGS frame (RFC 9113, 3.4 and 6.5)
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def _grpc_answer(conn, timeout: float) -> str | None:
+    """None when the peer speaks HTTP/2 as Ray's GCS (a gRPC server) does: it answers the client
+    preface with a SETTINGS frame. Otherwise what it did instead, in a few words (a plain HTTP
+    server answers ``HTTP/1.1 400``; another service closes or sends something else)."""
+    import socket
+
+    conn.settimeout(timeout)
+    try:
+        conn.sendall(_H2_PREFACE)
+        head = b""
+        while len(head) < 9:
+            chunk = conn.recv(9 - len(head))
+            if not chunk:
+                break
+            head += chunk
+    except socket.timeout:
+        return f"it accepted the connection but sent nothing within {timeout:g} s"
+    except OSError as exc:
+        return f"it dropped the connection ({exc.strerror or type(exc).__name__})"
+    if len(head) == 9 and head[3] == 0x04:   # frame type SETTINGS
+        return None
+    if not head:
+        return "it closed the connection without an answer"
+    if head.startswith((b"HTTP/", b"<")):
+        return "it answered as a plain HTTP server, not as gRPC"
+    return "it answered something other than gRPC"
 
 
 def protect_ray_token(home: Path | None = None) -> list[str]:
@@ -608,6 +645,10 @@ def ray_init(spec=None) -> str:
         cpus = ray.cluster_resources().get("CPU", 0)
         return f"Ray: a private local instance ({cpus:g} CPUs; set RAY_ADDRESS to run on a cluster)"
     target = probe_ray(address)
-    ray.init(address=address, **common)
+    try:
+        ray.init(address=address, **common)
+    except Exception as exc:  # noqa: BLE001 - one line, not Ray's tracebacks (issue 49.2)
+        raise RayUnreachable(f"RAY_ADDRESS={address}: Ray could not join the cluster at {target} "
+                             f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
     nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
     return f"Ray: the cluster at {target} ({nodes} node(s), RAY_ADDRESS={address})"

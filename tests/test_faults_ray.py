@@ -10,11 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,13 +48,79 @@ def test_a_named_cluster_that_does_not_answer_is_one_line_within_seconds(tmp_pat
         probe_ray("auto", timeout=2, current_file=str(tmp_path / "missing"))
     with pytest.raises(RayUnreachable, match="not host:port"):
         probe_ray("nonsense", timeout=2)
-    # negative control: a listening address is accepted
-    with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen()
-        live = f"127.0.0.1:{srv.getsockname()[1]}"
+    # negative control: an address that answers as Ray's GCS does (gRPC: HTTP/2 SETTINGS) is accepted
+    with _grpc_like() as live:
         assert probe_ray(live, timeout=2) == live
         assert probe_ray(f"ray://{live}", timeout=2) == live
+
+
+@contextlib.contextmanager
+def _grpc_like():
+    """A listener that answers every connection as an HTTP/2 (gRPC) server does: a SETTINGS frame."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        srv.close()
+
+
+@contextlib.contextmanager
+def _http_server():
+    import http.server
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_service_that_is_not_ray_is_refused_in_seconds():
+    """Issue 49.2: a plain HTTP server at RAY_ADDRESS passed the TCP probe, then ray.init looped on
+    'Failed to get cluster ID' for over 397 s, ignoring Ctrl-C; a silent listener likewise."""
+    with _http_server() as http:
+        t0 = time.monotonic()
+        with pytest.raises(RayUnreachable, match="is not a Ray cluster .it answered as a plain HTTP server"):
+            probe_ray(http, timeout=2)
+        assert time.monotonic() - t0 < 5
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        addr = f"127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(RayUnreachable, match="sent nothing within 1 s"):
+            probe_ray(addr, timeout=1)
+
+
+def test_run_against_a_plain_http_server_exits_2_in_one_line_and_writes_nothing(tmp_path):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "http", "storage": str(tmp_path / "ray_results"),
+        "common": {"train_size": 64, "test_size": 32, "certify_images": 0},
+        "trainables": [{"name": "pixeldp", "search": {"epochs": 1}}]}))
+    with _http_server() as http:
+        env = {**os.environ, "RAY_ADDRESS": http, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([sys.executable, "-m", "sweeps.cli", "run", str(spec), "--tracking-uri",
+                               f"sqlite:///{tmp_path}/mlflow.db"], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("dpsweep: error")]
+    assert proc.returncode == 2 and len(errors) == 1 and "is not a Ray cluster" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.yaml"]     # no experiment, no MLflow store
 
 
 def test_run_with_an_unreachable_cluster_exits_2_and_starts_nothing(tmp_path):
