@@ -181,6 +181,9 @@ def _under_interrupts(body, args, before: str) -> int:
                 return _interrupted(sweep["info"], sweep["exp_dir"], None, sweep["total"], interrupts)
             print(f"dpsweep: interrupted ({interrupts.name}) {before}", file=sys.stderr, flush=True)
             return interrupts.exit_code
+        finally:
+            if sweep.get("lock") is not None:   # the experiment's driver lock (sweeps.driver_lock)
+                sweep["lock"].release()
 
 
 def _cell(value) -> str:
@@ -309,6 +312,10 @@ def _run(args, interrupts, sweep: dict) -> int:
     interrupts.begin_graceful()  # from the parent run on, a first signal stops the sweep through Tune
     run_name = unique_run_name(spec.name, storage)  # <name>-<timestamp>-<random>: its own directory
     exp_dir = f"{storage.rstrip('/')}/{run_name}"
+    if "://" not in exp_dir:   # one driver per sweep, for this process's lifetime (issue 49.3)
+        from sweeps.driver_lock import DriverLock
+
+        sweep["lock"] = DriverLock(exp_dir).acquire("run")
     from sweeps.secret_store import save_secret
 
     secret_path = save_secret(exp_dir, run_name, noise_key)  # owner-only, before anything can draw from it
@@ -622,14 +629,17 @@ def _resume(args, interrupts, sweep: dict) -> int:
     from sweeps.spec import SpecError, validate_spec
 
     exp_dir = Path(args.experiment_path).expanduser().resolve()
+    from sweeps.driver_lock import DriverLock, SweepLocked
+
     try:
         state = load_state(exp_dir)
+        sweep["lock"] = DriverLock(exp_dir).acquire("resume")   # a second driver is refused (issue 49.3)
         spec = validate_spec(state["spec"])
         run_name = state.get("run_name") or exp_dir.name
         noise_key = None if spec.reproducible_noise else load_secret(str(exp_dir), run_name)
         check_fingerprint(noise_key, state.get("secret_fingerprint"), str(secret_path(str(exp_dir), run_name)))
         spec.bind_noise_key(noise_key)
-    except (FileNotFoundError, SpecError, ValueError) as exc:
+    except (FileNotFoundError, SpecError, ValueError, SweepLocked) as exc:
         _err(str(exc))
         return EXIT_INVALID
     if not _tracking_ok(state["mlflow"]["tracking_uri"]) or not _space_ok(str(exp_dir.parent),
