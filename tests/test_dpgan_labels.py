@@ -166,10 +166,12 @@ def test_non_private_baseline_uses_exact_frequencies():
 
 # ------------------------------------------------------------------ checkpoints
 def test_checkpoint_keeps_the_released_histogram_and_continues_bit_for_bit(tmp_path):
-    a = _trainer(epochs=2)
+    key = NoiseKey.fresh()                           # the owner's (issue 48: the checkpoint holds the step only)
+    a = _trainer(epochs=2, noise_key=key)
     a.train_epoch()
     torch.save(a.state_dict(), tmp_path / "s.pt")
-    b = _trainer(epochs=2)
+    assert "sample_gen" not in a.state_dict() and "noise_gen" not in a.state_dict()
+    b = _trainer(epochs=2, noise_key=key)
     b.label_histogram = b.label_histogram + 1000.0   # a different draw would be a second release
     b.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
     assert torch.equal(b.label_histogram, a.label_histogram) and b.ledger == a.ledger

@@ -291,9 +291,10 @@ TRIAL = {"trainable": "dpgan", "dataset": "mnist", "epsilon": 8.0, "train_size":
          "audit": {"mode": "whitebox", "canaries": 2000, "guess_fraction": 0.1}}
 
 
-def _run(monkeypatch, config, checkpoint_dir=None, keep=None):
+def _run(monkeypatch, config, checkpoint_dir=None, keep=None, noise_key=None):
     """run_trial with Ray's tune calls replaced: the results; each epoch's checkpoint is copied
-    into ``keep`` / epoch_<k> (Ray's temporary directory is gone after report)."""
+    into ``keep`` / epoch_<k> (Ray's temporary directory is gone after report). ``noise_key``: the
+    sweep's key (None: a fresh one, as for a trial run outside ``dpsweep run``)."""
     from ray import tune
 
     from trainables.registry import get_trainable
@@ -309,7 +310,7 @@ def _run(monkeypatch, config, checkpoint_dir=None, keep=None):
     monkeypatch.setattr(tune, "get_checkpoint", lambda: ckpt)
     monkeypatch.setattr(tune, "get_context", lambda: types.SimpleNamespace(get_trial_id=lambda: "t0"))
     monkeypatch.setattr(tune, "report", report)
-    get_trainable("dpgan").fn(dict(config))
+    get_trainable("dpgan").fn(dict(config), noise_key=noise_key)
     return results
 
 
@@ -317,10 +318,13 @@ def test_whitebox_trial_end_to_end_and_resumed(monkeypatch, tmp_path):
     """The dpgan trainable with ``audit: {mode: whitebox}`` (Poisson q = 1/4, 8 critic steps): the
     audit metrics are logged as for dpsgd, the bound is finite, positive and below the claim, the
     claim is the ledger's epsilon, which is the planned event's; a trial resumed from its epoch-1
-    checkpoint reports the same audit (the canaries' state travels in the checkpoint)."""
+    checkpoint reports the same audit (the canaries' state travels in the checkpoint; the sampling
+    and the noise follow from the sweep's key and the step, issue 48)."""
+    from dpmech.privacy.secret import NoiseKey
     from trainables.dpgan import DPGANTrialConfig, privacy_event
 
-    final = _run(monkeypatch, TRIAL, keep=tmp_path)[-1]
+    sweep_key = NoiseKey.fresh()
+    final = _run(monkeypatch, TRIAL, keep=tmp_path, noise_key=sweep_key)[-1]
     for key in ("audit_epsilon_lb", "audit_epsilon_lb_steinke", "audit_epsilon_lb_fdp", "audit_mu_lb_fdp",
                 "audit_epsilon_est_gdp", "audit_claim", "audit_ratio", "audit_canaries", "audit_steps"):
         assert key in final, key
@@ -333,7 +337,7 @@ def test_whitebox_trial_end_to_end_and_resumed(monkeypatch, tmp_path):
     assert final["audit_ratio"] == pytest.approx(final["audit_epsilon_lb"] / final["epsilon"])
     assert json.loads((tmp_path / "epoch_1" / "meta.json").read_text())["history"][0]["epoch"] == 1
 
-    resumed = _run(monkeypatch, TRIAL, checkpoint_dir=tmp_path / "epoch_1")
+    resumed = _run(monkeypatch, TRIAL, checkpoint_dir=tmp_path / "epoch_1", noise_key=sweep_key)
     assert len(resumed) == 2          # epoch 2 and the final result: epoch 1 was not trained again
     for key in ("audit_epsilon_lb_steinke", "audit_epsilon_lb_fdp", "audit_epsilon_est_gdp", "audit_correct",
                 "audit_steps", "epsilon"):

@@ -40,6 +40,15 @@ real example, and is not counted (post-processing).
 
 The non-private baseline (epsilon None) is the plain conditional WGAN: the same sampling and
 weight clipping, no per-example clipping, no noise; its ledger records sigma = 0 (epsilon inf).
+
+Randomness and checkpoints (docs/threat_model.md; DESIGN.md, Conventions: "a checkpoint holds the
+step, not a generator state"): the Poisson sampling and the Gaussian noise of critic step t come
+from per-step streams of the secret key (:class:`dpmech.privacy.secret.StepStream`, seeded by
+HMAC(key, stream, t)); the label histogram is drawn once, from its own keyed stream, and the
+checkpoint holds its released value. A checkpoint holds the critic step counter and no state of a
+keyed stream, so resuming needs the owner's key; the latents (z and fake labels, a public stream of
+``seed``: post-processing) keep their generator's state. The research mode (``NoiseKey.reproducible``)
+keeps running streams from the public seed and checkpoints their states, as before.
 """
 
 from __future__ import annotations
@@ -106,10 +115,12 @@ class DPGANTrainer(JudgedSampler):
         kw = {} if config.optimizer == "rmsprop" else {"betas": (0.5, 0.9)}
         self.critic_opt = opt(self.critic.parameters(), lr=config.lr_critic, **kw)
         self.generator_opt = opt(self.generator.parameters(), lr=config.lr_generator, **kw)
-        # Poisson sampling and the Gaussian noise from the secret key (docs/threat_model.md)
+        # Poisson sampling and the Gaussian noise from the secret key, per critic step (docs/threat_model.md)
         self.noise_key = NoiseKey.resolve(noise_key)
-        self.sample_gen = self.noise_key.generator("dpgan.sampling", config.seed + 1)
-        self.noise_gen = self.noise_key.generator("dpgan.noise", config.seed + 2, self.device)
+        self.sample_stream = self.noise_key.step_stream("dpgan.sampling", config.seed + 1)
+        self.noise_stream = self.noise_key.step_stream("dpgan.noise", config.seed + 2, self.device)
+        self.sample_gen = self.sample_stream.generator   # the streams' generators (reseeded per step by at())
+        self.noise_gen = self.noise_stream.generator
         self.latent_gen = torch.Generator(device=self.device).manual_seed(config.seed + 3)  # z and fake labels
         self.ledger = PrivacyLedger()
         # The fake labels' distribution: None = uniform (Alg. 1), else the released label histogram.
@@ -153,6 +164,7 @@ class DPGANTrainer(JudgedSampler):
     def _sample_real_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Alg. 1 line 4: a Poisson sample of the training set (each example with probability q).
         The only reader of the training examples during training."""
+        self.sample_stream.at(self.critic_steps)   # sample_gen, (re)seeded for this step (secret key)
         mask = torch.rand(self.n, generator=self.sample_gen) < self.sampling_rate
         idx = mask.nonzero().squeeze(1).to(self.device)
         return self._x[idx], self._y[idx]
@@ -251,6 +263,7 @@ class DPGANTrainer(JudgedSampler):
     def critic_step(self) -> dict[str, float]:
         """One critic step (Alg. 1 lines 4-9); returns the critic loss and Wasserstein estimate."""
         cfg = self.config
+        self.noise_stream.at(self.critic_steps)   # noise_gen, (re)seeded for this step (secret key)
         xb, yb = self._sample_real_batch()
         z, yf = self._latent(self._fake_batch_size())
         with torch.no_grad():
@@ -387,8 +400,13 @@ class DPGANTrainer(JudgedSampler):
 
     # -------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict:
-        """A snapshot of everything needed to continue bit for bit (model, optimizers, the three
-        generators, the ledger, counters)."""
+        """A snapshot of everything needed to continue bit for bit with the same key (model,
+        optimizers, the public latent generator, the ledger, the released label histogram,
+        counters). With a secret key no state of the sampling and noise streams (their draws at
+        critic step t follow from the key and t); in the research mode their running generators'
+        states (``sample_gen``, ``noise_gen``), as before."""
+        streams = {k: st for k, st in (("sample_gen", self.sample_stream.state_dict()),
+                                       ("noise_gen", self.noise_stream.state_dict())) if st is not None}
         return copy.deepcopy({
             "config": self.config.to_dict(),
             "n": self.n,
@@ -398,8 +416,7 @@ class DPGANTrainer(JudgedSampler):
             "generator_ema": None if self.generator_ema is None else self.generator_ema.state_dict(),
             "critic_opt": self.critic_opt.state_dict(),
             "generator_opt": self.generator_opt.state_dict(),
-            "sample_gen": self.sample_gen.get_state(),
-            "noise_gen": self.noise_gen.get_state(),
+            **streams,
             "latent_gen": self.latent_gen.get_state(),
             "ledger": self.ledger.state_dict(),
             "label_histogram": self.label_histogram,
@@ -427,10 +444,13 @@ class DPGANTrainer(JudgedSampler):
         self.model.load_state_dict(state["model"])
         if self.generator_ema is not None:
             self.generator_ema.load_state_dict(state["generator_ema"])
-        self.critic_opt.load_state_dict(state["critic_opt"])
-        self.generator_opt.load_state_dict(state["generator_opt"])
-        self.sample_gen.set_state(state["sample_gen"].cpu())
-        v.set_generator_state("noise_gen", self.noise_gen, state["noise_gen"])
+        # copies: torch keeps the checkpoint's state tensors, which the steps would update in place
+        self.critic_opt.load_state_dict(copy.deepcopy(state["critic_opt"]))
+        self.generator_opt.load_state_dict(copy.deepcopy(state["generator_opt"]))
+        # secret key: the streams' states are not read (a checkpoint before issue 48 held them: ignored);
+        # research mode: refused in one line when missing
+        self.sample_stream.load_state_dict(state.get("sample_gen"), "sample_gen")
+        self.noise_stream.load_state_dict(state.get("noise_gen"), "noise_gen")
         self.latent_gen.set_state(state["latent_gen"].cpu())
         self.ledger.load_state_dict(state["ledger"])
         if self.label_histogram is not None:  # the released histogram, as released (never re-drawn)

@@ -19,20 +19,20 @@ One step t of Algorithm 1, as implemented by :meth:`DPSGDTrainer.train_step`:
   *expected* batch size (Opacus's ``loss_reduction="mean"`` with Poisson sampling), noise drawn
   from the trainer's noise stream at step t (by the trainer in bk mode, by the Opacus
   ``DPOptimizer`` in ghost and flat modes, which holds the stream's generator).
-
-Randomness and checkpoints (docs/threat_model.md; DESIGN.md, Conventions: "a checkpoint holds the
-step, not a generator state"): the sampling and the noise of step t come from
-per-step streams of the secret key (:class:`~dpmech.privacy.secret.StepStream`: HMAC(key, stream, t)), so
-they are a function of (key, t) only; a checkpoint holds the step counter, the model, the optimizer
-and the ledger, and no state of those two streams (with the research mode's public seed, their
-running generators' states, as before). Resuming with the owner's key continues bit for bit; a
-checkpoint read without the key lets no one replay the steps to come.
 * **Descent** (line "descent"): the wrapped torch optimizer (SGD with momentum, or Adam; both are
   post-processing of g_bar).
 * **Accounting**: after every step actually taken, ``(q, sigma, 1)`` goes into the
   :class:`~dpmech.privacy.accounting.PrivacyLedger`; epsilon is computed from the ledger (RDP and PLD with
   dp-accounting), never copied from the configuration. An empty Poisson batch is still a step (the
   noise alone is applied) and is recorded.
+
+Randomness and checkpoints (docs/threat_model.md; DESIGN.md, Conventions: "a checkpoint holds the
+step, not a generator state"): the sampling and the noise of step t come from per-step streams of
+the secret key (:class:`~dpmech.privacy.secret.StepStream`, seeded by HMAC(key, stream, t)), so
+they are a function of (key, t) only; a checkpoint holds the step counter, the model, the optimizer
+and the ledger, and no state of those two streams (with the research mode's public seed, their
+running generators' states, as before). Resuming with the owner's key continues bit for bit; a
+checkpoint read without the key lets no one replay the steps to come.
 
 Noise calibration: with a target (epsilon, delta), sigma is the smallest noise multiplier whose
 RDP epsilon after the **planned** number of steps ``epochs * ceil(N / batch_size)`` at sampling
@@ -221,7 +221,8 @@ def calibrated_noise_multiplier(epsilon: float, delta: float, sampling_rate: flo
 CONVERTED = "_dpsweep_converted"   # attribute of a model: what make_private_compatible replaced in it
 
 
-def make_private_compatible(model: nn.Module, examples: tuple[torch.Tensor, ...] | None = None) -> nn.Module:
+def make_private_compatible(model: nn.Module, examples: tuple[torch.Tensor, ...] | None = None,
+                            batch_size: int | None = None) -> nn.Module:
     """The model checked by Opacus's ``ModuleValidator``; incompatible layers (BatchNorm with affine
     parameters) are replaced by ``ModuleValidator.fix`` (BatchNorm -> GroupNorm), then validated
     strictly. The model trained is then not the one written: what was replaced is kept on the
@@ -230,10 +231,10 @@ def make_private_compatible(model: nn.Module, examples: tuple[torch.Tensor, ...]
 
     With ``examples`` (one batch-first tensor per input of the model, only their shapes and dtypes
     used), the training forward pass must treat each example alone and change no buffer
-    (:func:`dpmech.privacy.per_example.check_per_example`): Opacus's validator looks only at modules
-    with trainable parameters, so a parameter-free BatchNorm, an InstanceNorm tracking running
-    statistics or a hand-written ``x - x.mean(0)`` would pass it; a ValueError of one line names
-    the module.
+    (:func:`dpmech.privacy.per_example.check_per_example`, at the training ``batch_size`` too):
+    Opacus's validator looks only at modules with trainable parameters, so a parameter-free
+    BatchNorm, an InstanceNorm tracking running statistics or a hand-written ``x - x.mean(0)`` would
+    pass it; a ValueError of one line names the module.
 
     In-place activations are made out-of-place: Opacus's full backward hooks on a layer refuse
     an in-place change of that layer's output (the function computed is the same).
@@ -256,7 +257,7 @@ def make_private_compatible(model: nn.Module, examples: tuple[torch.Tensor, ...]
     if examples is not None:
         from dpmech.privacy.per_example import check_per_example
 
-        check_per_example(model, *examples)
+        check_per_example(model, *examples, batch_size=batch_size)
     return model
 
 
@@ -346,7 +347,7 @@ class DPSGDTrainer:
         # forward pass must treat each example alone (dpmech.privacy.per_example, checked on random inputs
         # shaped like one training example)
         self.model = make_private_compatible(model, (self.x[:1] if self.x is not None else self.collate(
-            [self.dataset[0]])[0],) if config.private else None).to(self.device)
+            [self.dataset[0]])[0],) if config.private else None, batch_size=config.batch_size).to(self.device)
         self.model_converted = model_conversion(self.model)
         self.ledger = PrivacyLedger()
         self.epoch = 0
@@ -503,8 +504,8 @@ class DPSGDTrainer:
     def poisson_batch(self) -> torch.Tensor:
         """Indices of one Poisson sample: each example independently with probability q (drawn from
         the sampling stream's generator of the step about to be taken)."""
-        gen = self.sample_stream.at(self.steps)
-        mask = torch.rand(self.num_examples, generator=gen) < self.plan.sampling_rate
+        self.sample_stream.at(self.steps)   # sample_gen, (re)seeded for this step (secret key)
+        mask = torch.rand(self.num_examples, generator=self.sample_gen) < self.plan.sampling_rate
         return torch.nonzero(mask, as_tuple=False).squeeze(1).to(self.device)
 
     @property
