@@ -23,6 +23,8 @@ Usage (from the repository root, with the project's virtual environment)::
     python -m benchmarks.mutation_check --smoke           # the two smoke mutants (seconds)
     python -m benchmarks.mutation_check --only NAME[,NAME]
     python -m benchmarks.mutation_check                   # the whole list (tens of minutes on 2 cores)
+    python -m benchmarks.mutation_check --coverage        # which mutants stand on each guarantee file
+    python -m benchmarks.mutation_check --coverage --update-docs   # ... and rewrite docs/testing.md's table
 
 The whole list writes ``benchmarks/results/mutation_check.json`` (device, versions, date, one row per
 mutant); ``--smoke`` and ``--only`` write only where ``--out`` says. ``--from-head`` copies the
@@ -52,6 +54,14 @@ ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = Path(__file__).resolve().parent / "mutants.yaml"
 DEFAULT_TIMEOUT = 600
 STATUSES = ("killed", "survived", "timeout", "error", "baseline_failed")
+# The guarantee code whose mutants docs/testing.md tabulates (issue 50): every file under these
+# folders, the release and the trial runtime (its checkpoint, DIVERGED and trial-key code), and any
+# other file a mutant names.
+COVERAGE_DIRS = ("dpmech/privacy", "dpmech/robustness", "dpmech/dpsgd", "dpmech/label_dp")
+COVERAGE_FILES = ("sweeps/release.py", "trainables/runtime.py")
+DOCS = ROOT / "docs" / "testing.md"
+TABLE_BEGIN = "<!-- mutation coverage: begin (python -m benchmarks.mutation_check --coverage --update-docs) -->"
+TABLE_END = "<!-- mutation coverage: end -->"
 FIELDS = {"name", "file", "old", "new", "tests", "what", "smoke"}
 
 
@@ -222,6 +232,35 @@ def check(mutants: list[Mutant], *, timeout: float = DEFAULT_TIMEOUT, baseline_t
     return outcomes, baseline
 
 
+def coverage(mutants: list[Mutant], root: Path = ROOT) -> list[tuple[str, list[str]]]:
+    """(file, names of the mutants on it) for every guarantee file (:data:`COVERAGE_DIRS`,
+    :data:`COVERAGE_FILES`, every file a mutant names), sorted by path; [] where none stands on it."""
+    files = {p.relative_to(root).as_posix() for d in COVERAGE_DIRS for p in (root / d).rglob("*.py")
+             if p.name != "__init__.py"}
+    files |= set(COVERAGE_FILES) | {m.file for m in mutants}
+    names: dict[str, list[str]] = {}
+    for m in mutants:
+        names.setdefault(m.file, []).append(m.name)
+    return [(f, names.get(f, [])) for f in sorted(files)]
+
+
+def coverage_table(mutants: list[Mutant], root: Path = ROOT) -> str:
+    """The markdown table of :func:`coverage` (docs/testing.md, between its coverage markers)."""
+    rows = ["| file | mutants | names |", "| --- | ---: | --- |"]
+    for f, names in coverage(mutants, root):
+        rows.append(f"| {f} | {len(names)} | {', '.join(f'`{n}`' for n in names) if names else '**none**'} |")
+    return "\n".join(rows) + "\n"
+
+
+def docs_with_table(text: str, table: str) -> str:
+    """``text`` (docs/testing.md) with the table between its markers replaced by ``table``."""
+    if text.count(TABLE_BEGIN) != 1 or text.count(TABLE_END) != 1 or text.index(TABLE_BEGIN) > text.index(TABLE_END):
+        raise ValueError(f"{DOCS.name}: needs one {TABLE_BEGIN!r} line and, after it, one {TABLE_END!r} line")
+    head, rest = text.split(TABLE_BEGIN, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    return f"{head}{TABLE_BEGIN}\n{table}{TABLE_END}{tail}"
+
+
 def summary(outcomes: list[Outcome]) -> dict[str, int]:
     return {s: sum(o.status == s for o in outcomes) for s in STATUSES}
 
@@ -244,6 +283,9 @@ def _select(mutants: list[Mutant], args) -> list[Mutant]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--list", action="store_true", help="list the mutants and whether each old text is found once")
+    p.add_argument("--coverage", action="store_true", help="print which mutants stand on each guarantee file (a "
+                                                           "markdown table) and whether docs/testing.md holds it")
+    p.add_argument("--update-docs", action="store_true", help="with --coverage: rewrite docs/testing.md's table")
     p.add_argument("--smoke", action="store_true", help="run the two mutants marked smoke: true")
     p.add_argument("--only", action="append", metavar="NAME[,NAME]", help="run only these mutants")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per mutant's test run")
@@ -257,6 +299,27 @@ def main(argv=None) -> int:
     if argv is None:  # as a program: on SIGTERM stop the running tests and remove the copy
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     mutants = load_mutants(args.mutants)
+    if args.update_docs and not args.coverage:
+        raise SystemExit("--update-docs: only with --coverage")
+    if args.coverage:
+        table = coverage_table(mutants)
+        print(table, end="")
+        bare = sum(not names for _, names in coverage(mutants))
+        text = DOCS.read_text()
+        try:
+            updated = docs_with_table(text, table)
+        except ValueError as exc:
+            if args.update_docs:
+                raise SystemExit(f"--update-docs: {exc}") from None
+            print(f"{bare} files without a mutant; {exc}")
+            return 0
+        if args.update_docs and updated != text:
+            DOCS.write_text(updated)
+            print(f"{bare} files without a mutant; wrote the table to {DOCS.relative_to(ROOT)}")
+        else:
+            print(f"{bare} files without a mutant; {DOCS.relative_to(ROOT)} "
+                  f"{'holds this table' if updated == text else 'is out of date (--update-docs)'}")
+        return 0
     if args.list:
         bad = 0
         for m in mutants:
