@@ -241,7 +241,8 @@ def test_lp2st_trainer_releases_each_label_once_and_restores_bit_for_bit():
     x, y = _data()
     cfg = LabelDPConfig(mechanism="lp2st", epsilon=2.0, epochs=4, stage1_epochs=2, batch_size=40, lr=0.05,
                         recipe="mixup_sgd", seed=3)
-    a = LabelDPTrainer(cfg, x, y)
+    key = NoiseKey.fresh()          # the owner's: stage 2 draws from it, not from the checkpoint (issue 48)
+    a = LabelDPTrainer(cfg, x, y, noise_key=key)
     part1 = a.part1
     assert len(part1) == 48 and (a.labels[part1] >= 0).all() and (a.labels < 0).sum() == 120 - 48
     first = a.labels.clone()
@@ -254,6 +255,7 @@ def test_lp2st_trainer_releases_each_label_once_and_restores_bit_for_bit():
     torch.save(a.state_dict(), buf)
     buf.seek(0)
     state = torch.load(buf, weights_only=False)
+    assert "label_gen" not in state
     a.train_epoch()                                  # stage 2 begins: part 2 released once
     assert a.stage == 2 and (a.labels >= 0).all()
     assert torch.equal(a.labels[part1], first[part1])   # part 1 never redrawn
@@ -264,7 +266,7 @@ def test_lp2st_trainer_releases_each_label_once_and_restores_bit_for_bit():
     assert p["epsilon"] == 2.0 == p["label_epsilon"] and p["delta"] == 0.0
     assert 0 <= p["analytic_keep_prob"] <= 1 and 0 <= p["label_keep_rate"] <= 1
 
-    b = LabelDPTrainer(cfg, x, y)
+    b = LabelDPTrainer(cfg, x, y, noise_key=key)
     b.load_state_dict(state)
     b.train_epoch()
     b.train_epoch()

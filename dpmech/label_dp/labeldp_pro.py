@@ -25,6 +25,13 @@ of sensitivity ``sqrt(2 E) clip`` (mu-GDP composition, Dong, Roth & Su 2022, Cor
 (epsilon, delta) is the Balle & Wang (2018, Thm. 8) profile (``dpmech.privacy.mechanisms.gaussian_delta``).
 sigma is calibrated with ``analytic_gaussian_sigma``; the epsilon reported is recomputed from the sigma
 drawn with and the epochs run. Projection and everything after it are post-processing.
+
+Randomness and checkpoints (docs/threat_model.md; DESIGN.md, Conventions: "a checkpoint holds the
+step, not a generator state"): the Gaussian noise of pass e comes from the secret key's stream at
+step e (:class:`dpmech.privacy.secret.StepStream`, seeded by HMAC(key, stream, e)); a checkpoint
+(:meth:`LabelDPProRun.state_dict`) holds the pass counter and no state of that stream (research mode:
+the running stream's state, as before). The batch order and the projection images follow the public
+seed and keep their generator's state.
 """
 
 from __future__ import annotations
@@ -109,7 +116,8 @@ class LabelDPProRun:
         self.w = torch.zeros(self.k, self.xh.shape[1])
         self.mom = torch.zeros_like(self.w)
         self.pub = torch.Generator().manual_seed(derive_seed(seed, 30))
-        self.noise = key.generator("label_dp.labeldp_pro", derive_seed(seed, 31))
+        self.noise_stream = key.step_stream("label_dp.labeldp_pro", derive_seed(seed, 31))
+        self.noise = self.noise_stream.generator   # reseeded per pass by at() (secret key)
         with self.ledger.release("labeldp_pro_gaussian", max(eps_used, 1e-300), None, cfg.delta) as tok:
             self._y = self.ledger.labels.reveal(tok)
         self.epoch = 0
@@ -122,6 +130,7 @@ class LabelDPProRun:
         if self.epoch >= self.cfg.epochs:
             raise ValueError(f"epochs: LabelDP-Pro was charged for {self.cfg.epochs} passes; no more may run")
         cfg, k, d = self.cfg, self.k, self.xh.shape[1]
+        self.noise_stream.at(self.epoch)   # this pass's noise generator
         order = torch.randperm(self.n, generator=self.pub)
         for s in range(0, self.n, cfg.batch_size):
             idx = order[s:s + cfg.batch_size]
@@ -141,13 +150,16 @@ class LabelDPProRun:
         return (_xhat(feats, self.cfg.clip) @ self.w.T).argmax(1)
 
     def state_dict(self) -> dict:
+        """Weights, momentum, the public generator, the pass counter; the noise stream's state only
+        in the research mode (with a secret key the noise of pass e follows from the key and e)."""
+        noise = self.noise_stream.state_dict()
         return {"w": self.w.clone(), "mom": self.mom.clone(), "pub": self.pub.get_state(),
-                "noise": self.noise.get_state(), "epoch": self.epoch}
+                **({"noise": noise} if noise is not None else {}), "epoch": self.epoch}
 
     def load_state_dict(self, st: dict) -> None:
         self.w, self.mom = st["w"].clone(), st["mom"].clone()
         self.pub.set_state(st["pub"])
-        self.noise.set_state(st["noise"])
+        self.noise_stream.load_state_dict(st.get("noise"), "noise")   # secret key: not read
         self.epoch = int(st["epoch"])
 
 

@@ -1,6 +1,16 @@
 """The label-DP trainer (docs/label_dp.md): releases the training labels once through
 :mod:`dpmech.label_dp.release` (constructor; LP-2ST: part 2 when stage 2 begins), then trains a fresh
-network on the images and the released labels; the source document's CNN (``LabelDPCNN``)."""
+network on the images and the released labels; the source document's CNN (``LabelDPCNN``).
+
+Randomness and checkpoints (docs/threat_model.md; DESIGN.md, Conventions: "a checkpoint holds the
+step, not a generator state"): the release's draws (randomized response, Laplace noise) come from
+the secret key's ``label_dp.release`` stream, per stage (:class:`dpmech.privacy.secret.StepStream`:
+the generator of stage s is seeded by HMAC(key, stream, s); LP-2ST's part 2 is stage 2). A
+checkpoint holds the released labels and the stage, never that stream's state, so LP-2ST's second
+release, drawn after a checkpoint of stage 1, needs the owner's key. The shuffling and mixup follow
+the public seed (training on released labels is post-processing) and keep their states. The research
+mode (``NoiseKey.reproducible``) keeps one running stream from the public seed and checkpoints it.
+"""
 
 from __future__ import annotations
 
@@ -160,7 +170,8 @@ class LabelDPTrainer:
         # 1. the release: drawn once, before training, from its own generator
         # (its randomness is the guarantee's: from the secret key, docs/threat_model.md)
         self.noise_key = NoiseKey.resolve(noise_key)
-        self.label_gen = self.noise_key.generator("label_dp.release", derive_seed(config.seed, 2))
+        self.label_stream = self.noise_key.step_stream("label_dp.release", derive_seed(config.seed, 2))
+        self.label_gen = self.label_stream.at(1)   # stage 1's generator (research mode: the running stream)
         self.part1 = torch.arange(n)
         self.stage = 1
         if self.two_stage:
@@ -237,7 +248,7 @@ class LabelDPTrainer:
         if cfg.prior_mode == "denoised":
             prior = denoise_rr_prior(prior, cfg.epsilon)
         y2 = self.y_true.cpu()[part2]
-        out, kstar = rr_with_prior(y2, prior, cfg.epsilon, self.label_gen)
+        out, kstar = rr_with_prior(y2, prior, cfg.epsilon, self.label_stream.at(2))
         labels = self.release.labels.clone()
         labels[part2] = out
         self.release = LabelRelease(labels, cfg.task, "lp2st", cfg.postprocess, self.num_classes,
@@ -374,13 +385,15 @@ class LabelDPTrainer:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        """A snapshot of everything needed to continue bit for bit, the released labels included."""
+        """A snapshot of everything needed to continue bit for bit with the same key, the released
+        labels included; the release stream's state only in the research mode (``label_gen``)."""
+        stream = self.label_stream.state_dict()
         return copy.deepcopy({
             "config": self.config.to_dict(),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "shuffle_gen": self.shuffle_gen.get_state(),
-            "label_gen": self.label_gen.get_state(),
+            **({"label_gen": stream} if stream is not None else {}),
             "labels": self.labels.detach().cpu(),
             "release": self.release.meta(),
             "epoch": self.epoch,
@@ -401,7 +414,9 @@ class LabelDPTrainer:
         self.optimizer = self._make_optimizer()
         self.optimizer.load_state_dict(state["optimizer"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
-        self.label_gen.set_state(state["label_gen"])
+        # secret key: the stream's state is not read (a checkpoint before issue 48 held it: ignored; stage 2
+        # draws from the key); research mode: refused in one line when missing
+        self.label_stream.load_state_dict(state.get("label_gen"), "label_gen")
         self.release = LabelRelease(labels.clone(), **state["release"])
         self.labels = self.release.labels.to(self.device)
         self.epoch = int(state["epoch"])
