@@ -102,8 +102,6 @@ def test_stream_seeds_use_the_full_63_bits():
 
 def test_per_step_seeds_use_the_full_63_bits():
     """The same width for the per-step seeds (issue 48's ``NoiseKey.step_seed``), over steps and names."""
-    if not hasattr(NoiseKey, "step_seed"):
-        pytest.skip("NoiseKey.step_seed: not in this tree")
     ok, why = _seed_width_ok(lambda name: SWEEP_A.step_seed("dpsgd.noise", int(name.split()[1])))
     assert ok, why
     ok, why = _seed_width_ok(lambda name: SWEEP_A.step_seed(name, 7))
