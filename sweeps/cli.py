@@ -642,7 +642,8 @@ def _resume(args, interrupts, sweep: dict) -> int:
     except (FileNotFoundError, SpecError, ValueError, SweepLocked) as exc:
         _err(str(exc))
         return EXIT_INVALID
-    if not _tracking_ok(state["mlflow"]["tracking_uri"]) or not _space_ok(str(exp_dir.parent),
+    # the experiment folder itself must be writable (a read-only one was found only after Ray started)
+    if not _tracking_ok(state["mlflow"]["tracking_uri"]) or not _space_ok(str(exp_dir),
                                                                           state["mlflow"]["tracking_uri"]):
         return EXIT_INVALID
     from sweeps.runner import RayUnreachable

@@ -101,7 +101,8 @@ def _sha256(path: Path) -> str:
 
 def check_releasable(client, parent) -> tuple[dict, object]:
     """(spec, released child run), or ReleaseRefused naming what stops the release."""
-    from trainables.diagnostics import EPOCH_DIAGNOSTICS, FINAL_DIAGNOSTICS, TAG_DIAGNOSTICS
+    from trainables.diagnostics import EPOCH_DIAGNOSTICS, FINAL_DIAGNOSTICS, TAG_DIAGNOSTICS, diagnostic_names
+    from trainables.registry import REGISTRY
 
     name = parent.data.tags.get("mlflow.runName", parent.info.run_id)
     spec = _spec_of(client, parent)
@@ -127,7 +128,10 @@ def check_releasable(client, parent) -> tuple[dict, object]:
                              f"(noise_source: seed, {noise or 'untagged'}): its epsilon is no guarantee for a release")
     # what the trial says it logged (its TAG_DIAGNOSTICS, "none" with diagnostics: false) and what it did log
     logged = child.data.tags.get(TAG_DIAGNOSTICS, "untagged")
-    leaked = sorted(set(child.data.metrics) & {*EPOCH_DIAGNOSTICS, *FINAL_DIAGNOSTICS})
+    entry = REGISTRY.get(child.data.params.get("trainable", ""))
+    # the trainable's own diagnostics (DP-MERF's train_loss is a function of its release, not one)
+    names = diagnostic_names(entry.config_model) if entry is not None else (*EPOCH_DIAGNOSTICS, *FINAL_DIAGNOSTICS)
+    leaked = sorted(set(child.data.metrics) & set(names))
     if logged != "none" or leaked:
         what = ", ".join(leaked) or logged
         raise ReleaseRefused(f"sweep {name}: the released candidate logged non-private diagnostics ({what}), computed on "

@@ -23,6 +23,23 @@ def resolve_tracking_uri(cli_uri: str | None, spec_uri: str | None) -> str:
     return absolute_tracking_uri(uri)
 
 
+# the stores MLflow's client opens (a path without a scheme is a file store)
+TRACKING_SCHEMES = ("http", "https", "sqlite", "file", "postgresql", "mysql", "mssql", "databricks",
+                    "databricks-uc", "uc", "mlflow-artifacts")
+
+
+def tracking_uri_problem(uri: str) -> str | None:
+    """Why MLflow cannot use ``uri`` as a tracking store (its scheme), or None."""
+    head = uri.split("://", 1)[0] if "://" in uri else None
+    if head is None:
+        return None   # a path (a file store), or databricks / uc
+    scheme = head.split("+", 1)[0].lower()
+    if scheme not in TRACKING_SCHEMES:
+        return (f"scheme {head!r} is not a tracking store MLflow opens (one of {', '.join(TRACKING_SCHEMES[:8])}, "
+                "or a local path)")
+    return None
+
+
 def absolute_tracking_uri(uri: str) -> str:
     """A tracking URI that names the same store from any working directory: a relative SQLite
     path (``sqlite:///mlflow.db``) or a plain relative path (a file store) is resolved against
@@ -48,6 +65,9 @@ def check_tracking_store(uri: str, *, field: str = "tracking URI", timeout: floa
 
     MLflow's own client retries a refused connection for about two minutes per call, so without
     this a sweep against a server that is not running stays silent for minutes."""
+    problem = tracking_uri_problem(uri)
+    if problem:
+        raise TrackingUnreachable(f"{field}: {uri}: {problem}")
     if uri.startswith(("http://", "https://")):
         _probe_server(uri, field=field, timeout=timeout, tries=tries)
         return

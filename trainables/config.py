@@ -13,6 +13,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+MAX_EPOCHS = 100_000   # a bound no study reaches (full MNIST at batch 1: 5e9 steps), far below overflow
 ATTACK_NAMES = ("fgsm", "ifgsm", "mim", "pgd", "apgd_ce", "apgd_dlr")
 
 
@@ -152,6 +153,15 @@ class CommonConfig(BaseModel):
         from trainables.audit_config import parse
 
         return None if value is None else parse(value)
+
+    @model_validator(mode="after")
+    def _bounded_counts(self):
+        """Every count of epochs (``epochs``, ``tstr_epochs``, ``stage1_epochs``, ...) at most
+        MAX_EPOCHS: ``epochs: 1e30`` was accepted and planned a run no machine finishes (issue 49.7)."""
+        for name, value in self:
+            if name.endswith("epochs") and isinstance(value, int) and value > MAX_EPOCHS:
+                raise ValueError(f"{name}: at most {MAX_EPOCHS:,} epochs, got {value:.3g}")
+        return self
 
     @model_validator(mode="after")
     def _selection_split(self):

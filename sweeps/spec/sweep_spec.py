@@ -67,13 +67,29 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+MAX_NAME = 120          # a spec's name: the experiment directory is <name>-<timestamp>-<6 hex>
+MAX_EXPERIMENT = 250    # an MLflow experiment name (its SQL column holds more; a readable bound)
+
+
 class MlflowSection(_Section):
     """Where the sweep is tracked."""
 
-    experiment: str | None = Field(None, min_length=1, description="MLflow experiment (default: the spec's name)")
+    experiment: str | None = Field(None, min_length=1, max_length=MAX_EXPERIMENT,
+                                   description="MLflow experiment (default: the spec's name)")
     tracking_uri: str | None = Field(
         None, min_length=1,
         description="tracking URI (default: --tracking-uri, else MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _scheme(cls, value: str | None) -> str | None:
+        if value is not None:
+            from sweeps.tracking import tracking_uri_problem
+
+            problem = tracking_uri_problem(value)
+            if problem:
+                raise ValueError(problem)
+        return value
 
 
 class TrainableSection(_Section):
@@ -101,7 +117,7 @@ class SearchSection(_Section):
     """How trials are generated."""
 
     algorithm: Literal["grid", "random", "optuna"] = "grid"
-    num_samples: int = Field(1, ge=1, description="grid: repeats of the grid; random: samples per grid point; "
+    num_samples: int = Field(1, ge=1, le=MAX_TRIALS, description="grid: repeats of the grid; random: samples per grid point; "
                                                   "optuna: trials")
     seed: int = Field(0, ge=0, description="seed of the random draws and of Optuna's sampler")
     metric: str | None = Field(None, min_length=1, description="metric Optuna optimises / the sweep's best is by")
@@ -266,6 +282,8 @@ class SweepSpec(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
+        if len(value) > MAX_NAME:   # it names a directory <name>-<timestamp>-<hex> (a file name <= 255 bytes)
+            raise ValueError(f"at most {MAX_NAME} characters (it names the experiment directory), got {len(value)}")
         if not NAME_PATTERN.fullmatch(value):
             raise ValueError(f"must be letters, digits, '_', '.' or '-' only (it names the experiment directory), "
                              f"got {short_repr(value)}")
@@ -386,6 +404,32 @@ def apply_overrides(raw: dict, overrides: Iterable[str] | None = ()) -> dict:
     return raw
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping with a key written twice (plain YAML keeps the last
+    silently: ``epsilon`` written twice would run the second value with no word; issue 49.7)."""
+
+
+def _unique_mapping(loader: UniqueKeyLoader, node, deep: bool = False):
+    seen: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            twice = key in seen
+        except TypeError:   # an unhashable key: the base constructor says so
+            continue
+        first = seen.setdefault(key, key_node.start_mark.line + 1)
+        if twice:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the key {key!r} is written twice (first on line {first}); YAML would keep only the "
+                            "last", key_node.start_mark)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def load_spec(path: str | Path, overrides: Iterable[str] | None = ()) -> SweepSpec:
     """Read a spec file with ``yaml.safe_load``, apply overrides and validate it."""
     path = Path(path)
@@ -398,7 +442,9 @@ def load_spec(path: str | Path, overrides: Iterable[str] | None = ()) -> SweepSp
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader that refuses duplicate keys
+    except RecursionError:
+        raise SpecError(f"{path}: nested too deeply to read (a spec is a few levels of mappings and lists)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
