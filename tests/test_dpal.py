@@ -331,7 +331,8 @@ def test_noise_is_drawn_once_and_checkpoints_continue_bit_identically():
     x = _model_batch(gen, m=240)
     y = torch.randint(10, (240,), generator=gen)
     cfg = DPALConfig(eps_t=5.0, batch_size=60, theta1_bound=10.0, lr=1e-3, attack_steps=1, epochs=4, seed=3)
-    tr = DPALTrainer(cfg, x, y)
+    key = NoiseKey.fresh()                         # the owner's: the noise follows from it (issue 48)
+    tr = DPALTrainer(cfg, x, y, noise_key=key)
     noise0 = tr.noise.state_dict()
     batches0 = tr.batches.clone()
     # the batches are disjoint and cover N - (N mod m) examples
@@ -348,9 +349,11 @@ def test_noise_is_drawn_once_and_checkpoints_continue_bit_identically():
     for k in ("x", "h", "y"):
         assert torch.equal(getattr(tr.noise, k), noise0[k])       # identical across epochs
 
-    # the state is a deep copy: training on did not change it
-    assert state["epoch"] == 1 and torch.equal(state["noise"]["x"], noise0["x"])
-    restored = DPALTrainer(cfg, x, y)
+    # the state is a deep copy: training on did not change it; it holds no noise and no keyed stream's state
+    assert state["epoch"] == 1 and not {"noise", "noise_gen", "train_gen"} & set(state)
+    with pytest.raises(ValueError, match=r"checkpoint.noise_key_check: .*another noise key"):
+        DPALTrainer(cfg, x, y).load_state_dict(state)        # another key would draw the noise a second time
+    restored = DPALTrainer(cfg, x, y, noise_key=key)
     restored.load_state_dict(state)
     for k in ("x", "h", "y"):
         assert torch.equal(getattr(restored.noise, k), noise0[k])

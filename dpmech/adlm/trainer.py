@@ -19,6 +19,17 @@ every epoch the batch-norm statistics are recomputed from the perturbed training
 current weights (as in DPAL, docs/dpal.md decision 7).
 Inference: ``model`` (an ``AdLMClassifier``) reads clip(x + chi / |L|): the fixed offset is part of
 the released model, as DPAL's deterministic centre.
+
+Those seeds are the research mode's (``NoiseKey.reproducible``); otherwise the noise and the relevance
+network's randomness come from the secret key (docs/threat_model.md), as step 0 of the streams
+``adlm.noise`` and ``adlm.relevance`` (:class:`dpmech.privacy.secret.StepStream`, seeded by
+HMAC(key, stream, 0)). A secret-key checkpoint holds neither those streams' states nor chi_3 (used in
+training only, never released; DESIGN.md, Conventions: "a checkpoint holds the step, not a generator
+state"): the trainer redraws them from the key when it is built, so a resume needs the owner's key,
+and the checkpoint's ``noise_key_check`` (:meth:`~dpmech.privacy.secret.NoiseKey.fingerprint`) refuses
+another key, which would train on a second draw of chi_3 (:func:`~dpmech.privacy.secret.once_drawn`).
+The released R_bar and the model's offset chi / |L| stay in it. The research mode checkpoints all, as
+before.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dpmech import _validate as v
-from dpmech.privacy.secret import NoiseKey
+from dpmech.privacy.secret import CHECK_FIELD, NoiseKey, once_drawn
 from dpmech.adlm.budget import (AdLMBudget, feature_copies, feature_scales, feature_sensitivity, features_epsilon,
                                 laplace_epsilon, loss_sensitivity, redistribute, relevance_sensitivity,
                                 split_budget)
@@ -99,8 +110,10 @@ class AdLMTrainer:
         self.batch_gen = torch.Generator(device="cpu").manual_seed(config.seed + 1)
         # the noise the guarantee rests on, from the secret key (docs/threat_model.md)
         self.noise_key = NoiseKey.resolve(noise_key)
-        self.noise_gen = self.noise_key.generator("adlm.noise", config.seed + 2)
-        self.relevance_gen = self.noise_key.generator("adlm.relevance", config.seed + 3)
+        self.noise_stream = self.noise_key.step_stream("adlm.noise", config.seed + 2)
+        self.relevance_stream = self.noise_key.step_stream("adlm.relevance", config.seed + 3)
+        self.noise_gen = self.noise_stream.at(0)          # drawn once: step 0 (research mode: the running streams)
+        self.relevance_gen = self.relevance_stream.at(0)
         self._draw_noise(net, rx.to(self.device), ry.to(self.device))
         self.optimizer = torch.optim.Adam(net.parameters(), lr=config.lr)
         self.epoch = 0
@@ -229,9 +242,13 @@ class AdLMTrainer:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        """A snapshot (deep copy) of everything needed to continue bit for bit: the model (with the fixed
-        input offset), the optimizer, the released relevance, beta, the noise scales, chi_3, the
-        generators and the counters."""
+        """A snapshot (deep copy) of everything needed to continue bit for bit with the same key: the
+        model (with the fixed input offset), the optimizer, the released relevance, beta, the noise
+        scales, the public batch generator and the counters; in the research mode also chi_3 and the
+        keyed streams' states (with a secret key they follow from the key: module docstring)."""
+        research = {CHECK_FIELD: self.noise_key.fingerprint("adlm.noise")} if self.noise_stream.keyed else {
+            "chi3": self.chi3.detach().cpu().clone(), "noise_gen": self.noise_stream.state_dict(),
+            "relevance_gen": self.relevance_stream.state_dict()}
         return copy.deepcopy({
             "config": self.config.to_dict(),
             "model": self.model.state_dict(),
@@ -241,10 +258,8 @@ class AdLMTrainer:
             "scales_features": self.scales_features.clone(),
             "scale_relevance": self.scale_relevance,
             "scale_loss": self.scale_loss,
-            "chi3": self.chi3.detach().cpu().clone(),
+            **research,
             "batch_gen": self.batch_gen.get_state(),
-            "noise_gen": self.noise_gen.get_state(),
-            "relevance_gen": self.relevance_gen.get_state(),
             "epoch": self.epoch,
             "steps": self.steps,
         })
@@ -254,15 +269,18 @@ class AdLMTrainer:
         if tuple(state["relevance"].shape) != tuple(self.relevance.shape):
             raise ValueError("checkpoint relevance does not match this trainer's input shape")
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))   # torch would alias its tensors
         self.relevance = state["relevance"].clone()
         self.beta = state["beta"].clone()
         self.scales_features = state["scales_features"].clone()
         self.scale_relevance = float(state["scale_relevance"])
         self.scale_loss = float(state["scale_loss"])
-        self.chi3 = state["chi3"].clone().to(self.device)
+        # chi_3: the checkpoint's (research mode, or before issue 48), else this trainer's draw from the same key
+        self.chi3 = once_drawn(state, "chi3", self.chi3, self.noise_key, "adlm.noise",
+                               lambda t: t.clone().to(self.device))
+        # secret key: the streams' states are not read (a checkpoint before issue 48 held them: ignored)
         self.batch_gen.set_state(state["batch_gen"])
-        self.noise_gen.set_state(state["noise_gen"])
-        self.relevance_gen.set_state(state["relevance_gen"])
+        self.noise_stream.load_state_dict(state.get("noise_gen"), "noise_gen")
+        self.relevance_stream.load_state_dict(state.get("relevance_gen"), "relevance_gen")
         self.epoch = int(state["epoch"])
         self.steps = int(state["steps"])

@@ -17,6 +17,18 @@ Step t (lines 4-12), i = t mod (N/m):
     adversarial objective (Eq. 10-11) with chi_3. One Adam optimizer updates both; h_bar is
     detached before g, so theta_1 gets only the gradient of R and theta_2 only that of L (line 12).
 All randomness (mu_t, MadryEtAl's random start) comes from a generator seeded by ``seed + 3``.
+
+Those seeds are the research mode's (``NoiseKey.reproducible``); otherwise the noise and the training
+randomness come from the secret key (docs/threat_model.md), per step
+(:class:`dpmech.privacy.secret.StepStream`: the noise is step 0 of ``dpal.noise``, step t's mu_t and
+random starts are step t of ``dpal.train``, each seeded by HMAC(key, stream, step)). A secret-key
+checkpoint holds the step counter, the model, the optimizer and the fixed batches (public), and
+neither those streams' states nor the noise chi_1..chi_3 (DESIGN.md, Conventions: "a checkpoint holds
+the step, not a generator state"): the trainer redraws the noise from the key when it is built, so a
+resume needs the owner's key, and the checkpoint's ``noise_key_check`` (a fingerprint of the key,
+:meth:`~dpmech.privacy.secret.NoiseKey.fingerprint`) refuses another key, which would train on a
+second draw of the noise (:func:`~dpmech.privacy.secret.once_drawn`). The research mode checkpoints
+the noise and the streams' states, as before.
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from dpmech import _validate as v
-from dpmech.privacy.secret import NoiseKey
+from dpmech.privacy.secret import CHECK_FIELD, NoiseKey, once_drawn
 from dpmech.robustness.attacks import ifgsm, mim, pgd
 from dpmech.dpal.budget import Budget, laplace_epsilon
 from dpmech.dpal.config import DPALConfig
@@ -84,12 +96,14 @@ class DPALTrainer:
         self.budget: Budget = config.budget
         scales = config.noise_scales
         self.noise_key = NoiseKey.resolve(noise_key)   # the noise the accounting rests on (docs/threat_model.md)
-        self.noise_gen = self.noise_key.generator("dpal.noise", config.seed + 2)
+        self.noise_stream = self.noise_key.step_stream("dpal.noise", config.seed + 2)
+        self.noise_gen = self.noise_stream.at(0)        # drawn once: step 0 (research mode: the running stream)
         self.noise = TrainingNoise.draw(
             x_shape=self.model.noised_shape, h_shape=self.model.hidden_shape,
             y_shape=(self.model.h_pi, self.model.classes), scale_x=scales.x, scale_h=scales.h, scale_y=scales.y,
             generator=self.noise_gen).to(self.device)
-        self.train_gen = self.noise_key.generator("dpal.train", config.seed + 3, self.device)
+        self.train_stream = self.noise_key.step_stream("dpal.train", config.seed + 3, self.device)
+        self.train_gen = self.train_stream.generator   # reseeded per step by at() (secret key)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
         self.epoch = 0
         self.steps = 0
@@ -142,6 +156,7 @@ class DPALTrainer:
             j = (i + 1) % nb
             idx, idx_adv = self.batches[i].to(self.device), self.batches[j].to(self.device)
             x_bar = self._perturbed(idx)
+            self.train_stream.at(self.steps)   # train_gen for this step (mu_t, random starts)
             mu = self._draw_mu()
             model.train()
             x_adv = self._craft(self._perturbed(idx_adv), mu)
@@ -240,33 +255,40 @@ class DPALTrainer:
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        """A snapshot (deep copy) of everything needed to continue training bit for bit: model,
-        optimizer, the fixed noise chi_1..chi_3, the fixed batches, the generators, the counters."""
+        """A snapshot (deep copy) of everything needed to continue training bit for bit with the same
+        key: model, optimizer, the fixed batches, the public batch generator, the counters; in the
+        research mode also the fixed noise chi_1..chi_3 and the keyed streams' states (``noise``,
+        ``noise_gen``, ``train_gen``). With a secret key neither (module docstring)."""
+        research = {CHECK_FIELD: self.noise_key.fingerprint("dpal.noise")} if self.noise_stream.keyed else {
+            "noise": self.noise.state_dict(), "noise_gen": self.noise_stream.state_dict(),
+            "train_gen": self.train_stream.state_dict()}
         return copy.deepcopy({
             "config": self.config.to_dict(),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "noise": self.noise.state_dict(),
+            **research,
             "batches": self.batches.clone(),
             "batch_gen": self.batch_gen.get_state(),
-            "noise_gen": self.noise_gen.get_state(),
-            "train_gen": self.train_gen.get_state(),
             "epoch": self.epoch,
             "steps": self.steps,
             "theta1_norm_max": self.theta1_norm_max,
         })
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`: with a secret key, refused in one line when the checkpoint
+        was saved with another key (the noise, drawn once, would be drawn again: a second release)."""
         matching_checkpoint(state["config"], self.config.to_dict())
         if tuple(state["batches"].shape) != tuple(self.batches.shape):
             raise ValueError("checkpoint batches do not match this trainer's training set")
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.noise = TrainingNoise.from_state_dict(state["noise"], self.device)
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))   # torch would alias its tensors
+        self.noise = once_drawn(state, "noise", self.noise, self.noise_key, "dpal.noise",
+                                lambda st: TrainingNoise.from_state_dict(st, self.device))
+        # secret key: the streams' states are not read (a checkpoint before issue 48 held them: ignored)
         self.batches = state["batches"].clone()
         self.batch_gen.set_state(state["batch_gen"])
-        self.noise_gen.set_state(state["noise_gen"])
-        self.train_gen.set_state(state["train_gen"])
+        self.noise_stream.load_state_dict(state.get("noise_gen"), "noise_gen")
+        self.train_stream.load_state_dict(state.get("train_gen"), "train_gen")
         self.epoch = int(state["epoch"])
         self.steps = int(state["steps"])
         self.theta1_norm_max = float(state["theta1_norm_max"])

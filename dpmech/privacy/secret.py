@@ -46,6 +46,7 @@ import torch
 
 KEY_BYTES = 32
 REPRODUCIBLE_LABEL = "reproducible noise: no guarantee against anyone who knows the seed"
+CHECK_FIELD = "noise_key_check"   # a checkpoint's fingerprint of the key that drew its once-drawn noise
 
 
 class NoiseKey:
@@ -134,6 +135,15 @@ class NoiseKey:
     def step_stream(self, name: str, public: int, device: str | torch.device = "cpu") -> "StepStream":
         """The :class:`StepStream` of ``name`` (``public``: the research mode's seed of the stream)."""
         return StepStream(self, name, public, device)
+
+    def fingerprint(self, label: str) -> str:
+        """A check value of the key for ``label`` (128 bits of ``HMAC-SHA256(key, "fingerprint:" label)``,
+        hex): a checkpoint stores it so that a resume with another key is refused where drawing afresh
+        would release a once-drawn noise a second time (DPAL, AdLM). A PRF output: it tells nothing
+        about the key or its streams. The research mode's is ``"reproducible"``."""
+        if self._key is None:
+            return "reproducible"
+        return self._mac("fingerprint:" + label)[:16].hex()
 
     def generator(self, name: str, public: int, device: str | torch.device = "cpu") -> torch.Generator:
         """A ``torch.Generator`` on ``device`` seeded with ``stream_seed(name, public)``."""
@@ -227,3 +237,22 @@ class StepStream:
         from dpmech._validate import set_generator_state
 
         set_generator_state(field, self.generator, state)
+
+
+def once_drawn(state: dict, field: str, drawn, key: NoiseKey, stream: str, load=lambda value: value):
+    """The once-drawn noise (DPAL's chi_1..chi_3, AdLM's chi_3) a resumed run must go on with.
+
+    ``state[field]`` (through ``load``) where the checkpoint holds it: the research mode, or a secret-key
+    checkpoint written before issue 48 (the noise its steps used). Else, with a secret key, ``drawn``
+    (the resuming trainer's own draw from its key at step 0 of ``stream``) when the checkpoint's
+    ``noise_key_check`` is this key's :meth:`NoiseKey.fingerprint` of ``stream``. Refused in one line
+    otherwise: another key would train on a second draw of a noise the accounting counts once."""
+    if field in state:
+        return load(state[field])
+    if key.reproducible_mode:
+        raise ValueError(f"checkpoint.{field}: missing; the checkpoint was saved by a trainer with a secret key (the "
+                         "noise follows from the key): resume it with that key, not in the research mode")
+    if state.get(CHECK_FIELD) != key.fingerprint(stream):
+        raise ValueError(f"checkpoint.{CHECK_FIELD}: the checkpoint was saved with another noise key; resume with the "
+                         "key it was trained with (another key would draw the fixed noise a second time)")
+    return drawn
