@@ -221,3 +221,187 @@ def test_a_checkpoint_written_before_issue_48_loads_and_its_generator_states_are
     old = dict(ckpt, sample_gen=torch.Generator().manual_seed(1).get_state(),
                noise_gen=torch.Generator().manual_seed(2).get_state())
     assert torch.equal(_continue(x, y, old, key), released)
+
+
+# ------------------------------------------------------------------ label DP (LP-2ST's second release)
+def _label_data(n: int = 60):
+    g = torch.Generator().manual_seed(1)
+    return torch.rand(n, 1, 28, 28, generator=g) * 2 - 1, torch.randint(0, 10, (n,), generator=g)
+
+
+def _label_trainer(x, y, key):
+    from dpmech.label_dp.trainer import LabelDPConfig, LabelDPTrainer
+
+    cfg = LabelDPConfig(mechanism="lp2st", epsilon=1.0, epochs=2, stage1_epochs=1, stage1_fraction=0.4,
+                        batch_size=20, seed=2)
+    return LabelDPTrainer(cfg, x, y, noise_key=key)
+
+
+def _label_neighbours():
+    """(x, y) and (x, y') differing in the label of one example of part 2 (released after the checkpoint)."""
+    x, y = _label_data()
+    part1 = set(_label_trainer(x, y, NoiseKey.fresh()).part1.tolist())
+    target = next(i for i in range(len(y)) if i not in part1)
+    y2 = y.clone()
+    y2[target] = (y[target] + 1) % 10
+    return x, y, y2
+
+
+def _label_run(x, y, key):
+    t = _label_trainer(x, y, key)
+    t.train_epoch()                                # stage 1; part 2 not released yet
+    ckpt = _saved(t.state_dict())
+    t.train_epoch()                                # stage 2: part 2's randomized response, then training
+    return ckpt, _weights(t)
+
+
+def _label_continue(x, y, ckpt, key) -> torch.Tensor:
+    t = _label_trainer(x, y, key)
+    t.load_state_dict(ckpt)
+    t.train_epoch()
+    return _weights(t)
+
+
+def _label_replays(ckpt, released, x, y, y2, key_factory) -> tuple[bool, bool]:
+    """Whether the continuation on the true labels, and on the neighbouring labels, equals the release."""
+    return (torch.equal(_label_continue(x, y, ckpt, key_factory()), released),
+            torch.equal(_label_continue(x, y2, ckpt, key_factory()), released))
+
+
+def test_label_dp_the_checkpoint_attack_on_lp2st_replays_nothing_without_the_key():
+    """LP-2ST releases part 2's labels by randomized response after a stage-1 checkpoint: with the
+    stream's state in the checkpoint (research mode, or the old behaviour), a continuation on the
+    true labels with any key is the release bit for bit (the attacker decides whenever the other
+    world's differs); with the secret key neither world's continuation is, and the owner's is."""
+    x, y, y2 = _label_neighbours()
+    owner = NoiseKey.fresh()
+    ckpt, released = _label_run(x, y, owner)
+    assert ckpt["stage"] == 1 and "label_gen" not in ckpt
+    assert torch.equal(_label_continue(x, y, ckpt, owner), released)
+    assert _label_replays(ckpt, released, x, y, y2, NoiseKey.fresh) == (False, False)
+    # negative controls
+    ckpt, released = _label_run(x, y, NoiseKey.reproducible(2))
+    assert _label_replays(ckpt, released, x, y, y2, lambda: NoiseKey.reproducible(7))[0]
+    with OldBehaviour():
+        ckpt, released = _label_run(x, y, NoiseKey.fresh())
+        assert "label_gen" in ckpt
+        assert _label_replays(ckpt, released, x, y, y2, NoiseKey.fresh)[0]
+
+
+def test_label_dp_pro_checkpoint_holds_the_pass_not_the_noise_stream():
+    from dpmech.label_dp.cluster_prior import PrivateLabels
+    from dpmech.label_dp.labeldp_pro import LabelDPProConfig, LabelDPProRun
+
+    g = torch.Generator().manual_seed(0)
+    feats, y = torch.randn(120, 8, generator=g), torch.randint(0, 4, (120,), generator=g)
+    cfg = LabelDPProConfig(epochs=3, batch_size=40, proj_images=8)
+
+    def run(key):
+        return LabelDPProRun(feats, PrivateLabels(y, 4), 1.0, cfg, seed=0, noise_key=key)
+
+    owner = NoiseKey.fresh()
+    a = run(owner)
+    a.train_epoch()
+    st = _saved(a.state_dict())
+    assert "noise" not in st
+    assert_no_keyed_state(st, [a.noise_stream], cfg.epochs)
+    a.train_epoch()
+    a.train_epoch()
+    b, c = run(owner), run(NoiseKey.fresh())
+    for r in (b, c):
+        r.load_state_dict(st)
+        r.train_epoch()
+        r.train_epoch()
+    assert torch.equal(b.w, a.w) and not torch.equal(c.w, a.w)
+
+
+# ------------------------------------------------------------------ DPGAN
+def _gan_data(n: int = 80):
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(n, 1, 28, 28, generator=g) * 2 - 1
+    y = torch.randint(0, 10, (n,), generator=g)
+    x[0] = 1.0                                     # the target: an outlier image
+    return x, y
+
+
+def _gan_trainer(x, y, key):
+    from dpmech.dpgan.config import DPGANConfig
+    from dpmech.dpgan.trainer import DPGANTrainer
+
+    cfg = DPGANConfig(epsilon=5.0, delta=1e-5, epochs=3, batch_size=20, hidden=8, latent_dim=4, seed=1)
+    return DPGANTrainer(cfg, x, y, plan_size=80, noise_key=key)
+
+
+def _gan_run(x, y, key):
+    t = _gan_trainer(x, y, key)
+    t.train_epoch()
+    ckpt = _saved(t.state_dict())
+    while t.epoch < t.config.epochs:
+        t.train_epoch()
+    return ckpt, _weights(t)
+
+
+def _gan_continue(x, y, ckpt, key):
+    t = _gan_trainer(x, y, key)
+    t.load_state_dict(dict(ckpt, n=t.n))          # the adversary edits the size the trainer checks
+    while t.epoch < t.config.epochs:
+        t.train_epoch()
+    return _weights(t)
+
+
+def _gan_attack(ckpt, released, x, y, key_factory) -> str:
+    if torch.equal(_gan_continue(x, y, ckpt, key_factory()), released):
+        return "in"
+    if torch.equal(_gan_continue(x[1:], y[1:], ckpt, key_factory()), released):
+        return "out"
+    return "?"
+
+
+@pytest.mark.parametrize("world", ["in", "out"])
+def test_dpgan_the_checkpoint_attack_decides_nothing_and_the_owner_resumes(world):
+    x, y = _gan_data()
+    xs, ys = _worlds(world, x, y)
+    owner = NoiseKey.fresh()
+    ckpt, released = _gan_run(xs, ys, owner)
+    assert "sample_gen" not in ckpt and "noise_gen" not in ckpt and "latent_gen" in ckpt   # latents: public
+    t = _gan_trainer(xs, ys, owner)
+    assert_no_keyed_state(ckpt, [t.sample_stream, t.noise_stream], 3 * t.steps_per_epoch)
+    assert torch.equal(_gan_continue(xs, ys, ckpt, owner), released)
+    assert _gan_attack(ckpt, released, x, y, NoiseKey.fresh) == "?"
+    with OldBehaviour():                           # negative control: the old checkpoints decide
+        ckpt, released = _gan_run(xs, ys, NoiseKey.fresh())
+        assert _gan_attack(ckpt, released, x, y, NoiseKey.fresh) == world
+
+
+# ------------------------------------------------------------------ once-drawn noise (DPAL, AdLM)
+def test_adlm_checkpoint_holds_no_training_noise_and_refuses_another_key():
+    """AdLM's chi_3 (training only, never released) is redrawn from the key, not stored; the key's
+    fingerprint refuses another key, which would train on a second draw of chi_3."""
+    from dpmech.adlm.config import AdLMConfig
+    from dpmech.adlm.trainer import AdLMTrainer
+
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.rand(200, 1, 28, 28, generator=g) * 2 - 1, torch.randint(0, 10, (200,), generator=g)
+    pub = (torch.rand(50, 1, 28, 28, generator=g) * 2 - 1, torch.randint(0, 10, (50,), generator=g))
+    cfg = AdLMConfig(epsilon=5.0, batch_size=50, lr=1e-3, epochs=2, relevance_epochs=0, seed=11)
+    owner = NoiseKey.fresh()
+    a = AdLMTrainer(cfg, x, y, relevance_data=pub, noise_key=owner)
+    a.train_epoch()
+    state = _saved(a.state_dict())
+    assert not {"chi3", "noise_gen", "relevance_gen"} & set(state)
+    assert_no_keyed_state(state, [a.noise_stream, a.relevance_stream], 0)
+    assert a.chi3.detach().cpu().numpy().tobytes() not in _bytes(state)
+    a.train_epoch()
+    b = AdLMTrainer(cfg, x, y, relevance_data=pub, noise_key=owner)
+    b.load_state_dict(state)
+    b.train_epoch()
+    assert torch.equal(_weights(b), _weights(a))
+    with pytest.raises(ValueError, match=r"checkpoint.noise_key_check: .*another noise key"):
+        AdLMTrainer(cfg, x, y, relevance_data=pub, noise_key=NoiseKey.fresh()).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"checkpoint.chi3: missing"):
+        AdLMTrainer(cfg, x, y, relevance_data=pub, noise_key=NoiseKey.reproducible(11)).load_state_dict(state)
+    # a checkpoint written before issue 48 (chi_3 stored): its chi_3 goes on, whatever the key
+    old = dict(state, chi3=a.chi3.detach().cpu() + 1.0)
+    c = AdLMTrainer(cfg, x, y, relevance_data=pub, noise_key=NoiseKey.fresh())
+    c.load_state_dict(old)
+    assert torch.equal(c.chi3.cpu(), a.chi3.detach().cpu() + 1.0)
