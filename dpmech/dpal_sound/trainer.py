@@ -213,6 +213,9 @@ class DPALSoundTrainer(DPSGDTrainer):
         return logits[:b].detach(), per_example.detach()
 
     def state_dict(self) -> dict:
+        # the attacks' and the smoothing noise's streams follow the public seed (per-example inputs, like
+        # DP-SGD's augmentation): their states may be stored; the keyed sampling and noise are DP-SGD's
+        # (no state of them in a secret-key checkpoint: docs/threat_model.md, "Checkpoints")
         state = super().state_dict()
         state["attack_gen"] = self.attack_gen.get_state()
         state["smooth_gen"] = self.smooth_gen.get_state()
