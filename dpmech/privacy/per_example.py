@@ -252,8 +252,8 @@ class _Found:
     def note_state(self, changed: list[tuple[str, str, str, bool]], records) -> None:
         """State that calls changed: (module name, kind, leaf, frozen) and the buffers each module
         changed in its own forward pass (``records``)."""
-        changed = list(changed) + [(name, "buffer", leaf, False) for rec in records
-                                   for name, leaves in rec.buffers.items() for leaf in leaves]
+        changed = [(name, "buffer", leaf, False) for rec in records for name, leaves in rec.buffers.items()
+                   for leaf in leaves] + list(changed)
         for name, kind, leaf, frozen in changed:
             leaves = self.state.setdefault(name, {}).setdefault(kind, [])
             if leaf not in leaves:
