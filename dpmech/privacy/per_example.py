@@ -518,7 +518,8 @@ def _call(net: nn.Module, xs: list[torch.Tensor], seed: int, weights: tuple = ()
         with torch.enable_grad(), torch.random.fork_rng(devices=devices):
             torch.random.default_generator.manual_seed(seed)      # the generators of the devices used only
             for d in devices:
-                torch.cuda.default_generators[d].manual_seed(seed)
+                with torch.cuda.device(d):
+                    torch.cuda.manual_seed(seed)
             out = net(*[x.clone() for x in xs])     # a copy: a model may change its input
     except Exception as exc:  # noqa: BLE001
         return (f"model: its training forward pass failed on the per-example check's batch of {n} inputs "
