@@ -104,6 +104,14 @@ class FrozenMean(nn.Module):
         return x
 
 
+class DataMean(FrozenMean):
+    """FrozenMean's update through ``.data`` (no version counter moves)."""
+
+    def forward(self, x):
+        self.running.data.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return x
+
+
 class SlightMean(nn.Module):
     """Adds 0.005 x the batch mean: moves another example's output by less than 1% (issue 50 §3)."""
 
@@ -184,6 +192,14 @@ def test_trainer_refuses_each_mixing_model_on_every_route(name, clipping):
 def test_the_same_models_without_their_mixing_pass(name):
     x, _ = _data(4)
     assert per_example_problem(_build(name, mix=False), x, batch_size=N) is None
+
+
+def test_a_change_through_data_is_seen_too():
+    x, _ = _data(4)
+    msg = per_example_problem(mlp(DataMean()), x.float())
+    assert msg is not None and msg.startswith(
+        "model: module '1' (DataMean) updates its parameter 'running' (requires_grad False) in a training forward "
+        "pass"), msg
 
 
 def test_a_mixing_of_less_than_one_percent_is_refused():
