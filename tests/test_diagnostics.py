@@ -78,7 +78,8 @@ def test_dpgan_diagnostics_switch(monkeypatch, tmp_path, diagnostics):
     if diagnostics:
         assert {"train_loss", "wasserstein"} <= set(per_epoch[0]) and "clipped_fraction" in final
         assert history["train_loss"] == [1, 2] and "clipped_fraction" in run.data.metrics
-        assert run.data.tags["dpsweep.nonprivate_diagnostics"] == "train_loss, clipped_fraction, loss_near_chance"
+        assert run.data.tags["dpsweep.nonprivate_diagnostics"] == ("train_loss, clipped_fraction, loss_near_chance, "
+                                                                   "label_keep_rate, analytic_keep_prob")
     else:
         assert not seen & NOISE_FREE, seen & NOISE_FREE
         assert run.data.tags["dpsweep.nonprivate_diagnostics"] == "none"
