@@ -14,10 +14,13 @@ def dispatch(config: dict, noise_key=None) -> None:
     if name is None:
         raise ValueError("config.trainable: missing (the name of a registered trainable)")
     fn = get_trainable(name).fn
-    if noise_key is not None and takes_noise_key(fn):
-        fn(cfg, noise_key=noise_key)
-    else:   # a trainable written without the parameter draws its own randomness
-        fn(cfg)
+    from trainables.watchdog import trial_time_limit
+
+    with trial_time_limit(cfg):   # failure.trial_timeout (trainables.watchdog)
+        if noise_key is not None and takes_noise_key(fn):
+            fn(cfg, noise_key=noise_key)
+        else:   # a trainable written without the parameter draws its own randomness
+            fn(cfg)
 
 
 def takes_noise_key(fn) -> bool:

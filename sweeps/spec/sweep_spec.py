@@ -165,6 +165,13 @@ class FailureSection(_Section):
     """Retries of failed trials (Ray FailureConfig)."""
 
     max_retries: int = Field(0, ge=0, description="retries of a failed trial, from its last checkpoint")
+    trial_timeout: float | None = Field(
+        None, gt=0, le=30 * 86400, allow_inf_nan=False,
+        description="seconds one attempt of a trial may run; past it the trial is stopped FAILED (dpsweep.error "
+                    "says why) and retried under max_retries (default: no limit)")
+    silence_warning: float = Field(
+        600, gt=0, le=30 * 86400, allow_inf_nan=False,
+        description="seconds without a result from a running trial after which the console says so, once")
 
 
 class TuningPrivacySection(_Section):
