@@ -133,3 +133,30 @@ def test_doc_table_names_each_bug_what_it_does_and_whether_one_run_refutes_it():
     assert "| divides_by_drawn_batch | divided by the batch drawn | small_batch | 1.67 | 0.80 | **no** |" in table
     assert "| divides_by_drawn_batch, 200 runs of 2 examples |" in table and "correct engine 0.12" in table
     assert "refuted in 1 of 40 seeded runs (refute rate 0.025" in table and "100,000 engine canaries" in table
+
+
+def _clipped_sum(cls, x, y) -> torch.Tensor:
+    """The clipped per-example gradient sum of one step over all of (x, y), without noise."""
+    cfg = DPSGDConfig(epsilon=None, noise_multiplier=1.0, max_grad_norm=1.0, batch_size=len(x), epochs=1, lr=0.1,
+                      clipping="bk", seed=0)
+    t = cls(zoo.model(0), x, y, cfg, **zoo.research_key(0))
+    t._add_noise_and_scale = lambda: None          # the sum itself, before any noise
+    t._bk_forward_backward(x, y)
+    return torch.cat([p.grad.flatten() for p in t.model.parameters() if p.grad is not None])
+
+
+def test_an_unclipped_first_layer_leaks_but_the_canaries_block_does_not_see_it():
+    """Issue 48.6: the zoo's unclipped-layer bug skipped exactly the audit block that holds the
+    canaries. Leaving the first layer unclipped instead is a real leak (removing one example moves
+    the clipped sum by far more than C = 1; the correct engine by at most C), and the committed
+    one-run audit, whose canaries sit on the audit block, does not refute it (docs/audit.md)."""
+    from benchmarks.common import RESULTS
+
+    x, y = zoo.data(64, 0)
+    x[0] *= 50                                      # an outlier whose raw gradient is far above C
+    moved = {cls: float((_clipped_sum(cls, x, y) - _clipped_sum(cls, x[1:], y[1:])).norm())
+             for cls in (DPSGDTrainer, zoo.UnclippedFirstLayer)}
+    assert moved[DPSGDTrainer] <= 1.0 + 1e-4
+    assert moved[zoo.UnclippedFirstLayer] > 5.0, moved
+    res = json.loads((RESULTS / "bug_zoo.json").read_text())["bugs"]["first_layer_unclipped"]
+    assert not res["refuted_in_one_run"] and res["lb"] <= res["claim"]
