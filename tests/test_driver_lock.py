@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -49,10 +48,8 @@ def test_a_second_driver_is_refused_at_once_naming_the_holder(tmp_path, capsys):
     exp = _experiment(tmp_path)
     holder = _holder(exp)
     try:
-        t0 = time.monotonic()
-        assert main(["resume", str(exp)]) == 2
+        assert main(["resume", str(exp)]) == 2           # at once: the lock is not waited for (LOCK_NB)
         err = capsys.readouterr().err.strip().splitlines()
-        assert time.monotonic() - t0 < 30
         assert len(err) == 1 and "another dpsweep driver holds this sweep" in err[0], err
         assert f"pid {holder.pid}" in err[0] and "dpsweep run" in err[0]
     finally:

@@ -97,7 +97,7 @@ def test_a_service_that_is_not_ray_is_refused_in_seconds():
         t0 = time.monotonic()
         with pytest.raises(RayUnreachable, match="is not a Ray cluster .it answered as a plain HTTP server"):
             probe_ray(http, timeout=2)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 20     # the probe's own 2 s, far from ray.init's minutes (generous: CI may be busy)
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -213,3 +213,44 @@ def test_ray_token_is_made_owner_only(tmp_path):
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert protect_ray_token(tmp_path) == []                 # already private: nothing to change
     assert protect_ray_token(tmp_path / "nobody") == []      # no token: nothing, no error
+
+
+RAY_STARTUP_TIMEOUT = ("The current node timed out during startup. This could happen because some of the raylet "
+                       "failed to startup or the GCS has become overloaded.")   # ray._private.node, Ray 2.60
+
+
+def test_a_local_ray_that_does_not_start_is_one_line_exit_2_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """Issue 49, point 6: Ray's own start-up timeout (its raylet not registered within 30 s on an
+    overloaded machine) gave a raw traceback. Now: one line, exit 2, whatever Ray started shut
+    down, and what this run created (a fresh SQLite store, the storage folder) removed; a store
+    that was there before is kept."""
+    import ray
+
+    from sweeps.cli import main
+    from trainables.tracking import SESSION_ENV
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "DPSWEEP_STORAGE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(SESSION_ENV, "test")   # ray_init sets it: restored afterwards
+    spec = tmp_path / "s.yaml"
+    spec.write_text(yaml.safe_dump({"name": "slow", "common": {"train_size": 64, "test_size": 32, "certify_images": 0},
+                                    "trainables": [{"name": "pixeldp", "search": {"epochs": 1}}]}))
+    shutdowns = []
+
+    def init(*args, **kwargs):
+        (tmp_path / "mlflow.db").touch()            # as if the store had been opened before Ray's start
+        (tmp_path / "ray_results").mkdir(exist_ok=True)
+        raise Exception(RAY_STARTUP_TIMEOUT)
+
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(1))
+    assert main(["run", str(spec)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dpsweep: error: Ray: the private local instance did not start"), err
+    assert "timed out during startup" in err[0] and "Traceback" not in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.yaml"] and shutdowns == [1]
+    (tmp_path / "mlflow.db").write_bytes(b"")     # the user's store, there before: kept
+    assert main(["run", str(spec)]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db", "s.yaml"]
