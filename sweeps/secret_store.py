@@ -6,18 +6,17 @@ writes it: it is never logged to MLflow, never in an artifact, never printed."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 SECRET_FILE = "dpsweep.secret"
 def fingerprint(key) -> str | None:
     """A one-way fingerprint of the sweep's key (None for the research mode's key): stored with the
-    sweep so a resume can tell another sweep's key from its own without storing the key. SHA-256 of
-    a domain label and the key, 128 bits: it reveals nothing of the key."""
+    sweep so a resume can tell another sweep's key from its own without storing the key
+    (``NoiseKey.fingerprint``: 128 bits of an HMAC under the key, which tells nothing of it)."""
     if key is None or key.reproducible_mode:
         return None
-    return hashlib.sha256(b"dpsweep key fingerprint\x00" + bytes.fromhex(key.hex())).hexdigest()[:32]
+    return key.fingerprint("sweep")
 
 
 def check_fingerprint(key, expected: str | None, path: str) -> None:
