@@ -154,6 +154,18 @@ class CommonConfig(BaseModel):
 
         return None if value is None else parse(value)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _mia_elsewhere(cls, data):
+        """``mia`` on a schema without the field (every trainable but dpsgd): refused in one line
+        naming the rule (trainables.mia_config); ``mia: null`` is no attack."""
+        if "mia" in cls.model_fields or not isinstance(data, dict) or "mia" not in data:
+            return data
+        from trainables.mia_config import refuse_elsewhere
+
+        refuse_elsewhere(data, cls.__name__)
+        return {k: v for k, v in data.items() if k != "mia"}
+
     @model_validator(mode="after")
     def _bounded_counts(self):
         """Every count of epochs (``epochs``, ``tstr_epochs``, ``stage1_epochs``, ...) at most
@@ -369,8 +381,11 @@ def planned_train_size(cfg: CommonConfig) -> int:
     public number: a trainer plans q, steps and sigma from it, never from the data it is handed)."""
     from dpmech.datasets.splits import train_split_size
 
+    from trainables.mia_config import expected_members
+
     n = int(cfg.train_size) if cfg.train_size is not None else train_split_size(cfg.dataset)
-    return n - validation_images(cfg)
+    # a membership attack's members join the training set: planned from their public expected count
+    return n - validation_images(cfg) + expected_members(cfg)
 
 
 def validation_images(cfg) -> int:

@@ -116,6 +116,11 @@ class DPSGDTrialConfig(CommonConfig):
                     "soft smoothed classifier at its own augmentations before its loss (0 = off); needs "
                     "noise_augmentation_sigma > 0 and clipping bk or flat")
     smoothadv_steps: int = Field(1, ge=1, description="SmoothAdv's PGD steps (step size 2 radius / steps)")
+    mia: dict | None = Field(
+        None, description="membership inference attack on the trial's model (docs/mia.md): {attack: rmia | lira, "
+        "references: 1-4 (default 2), candidates: M (default 1000), num_z: 1000, confidence: 0.95}; the candidates "
+        "are training images outside train_size, each a member by a secret fair coin; logs mia_auc, "
+        "mia_tpr_at_fpr_0.001, mia_tpr_at_fpr_0.01, mia_eps_lb (docs/metrics.md)")
 
     protects_training_examples: ClassVar[bool] = True
     supports_whitebox_audit: ClassVar[bool] = True   # trains with the DP-SGD engine (audit: {mode: whitebox})
@@ -123,6 +128,15 @@ class DPSGDTrialConfig(CommonConfig):
     privacy_delta_key: ClassVar[str | None] = "delta"
     accepts_custom_dataset: ClassVar[bool] = True
     dpsgd_engine: ClassVar[bool] = True      # trains with dpmech.dpsgd's engine
+    supports_mia: ClassVar[bool] = True      # the mia key (trainables.mia_config, trainables.mia_trial)
+
+    @field_validator("mia")
+    @classmethod
+    def _mia(cls, value):
+        """The ``mia`` mapping checked and completed with its defaults (trainables.mia_config)."""
+        from trainables.mia_config import parse
+
+        return None if value is None else parse(value)
 
     @field_validator("model")
     @classmethod
@@ -149,6 +163,9 @@ class DPSGDTrialConfig(CommonConfig):
                              f"batch_size / train_size is a probability, got {self.batch_size}")
         self._feature_rules()
         self._certified_rules()
+        from trainables.mia_config import check as mia_rules
+
+        mia_rules(self)
         return self
 
     def _certified_rules(self) -> None:
@@ -224,7 +241,8 @@ def privacy_event(cfg: DPSGDTrialConfig):
     return plan(dpsgd_config(cfg), planned_train_size(cfg)).dp_event()
 
 
-PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "dataset", "accountant")
+PRIVACY_KEYS = ("epsilon", "delta", "batch_size", "epochs", "train_size", "dataset", "accountant",
+                "mia")   # mia: its candidates // 2 join the planned training-set size
 
 
 class DPSGDMechanism(TrainerMechanism):

@@ -245,7 +245,13 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
     if canaries is not None:  # the included canaries join the training set (docs/audit.md)
         cx, cy = canaries.members()
         x, y = torch.cat([x, cx]), torch.cat([y, cy])
-    mech = build_mechanism(mechanism_cls, cfg, x, y, device, trial_noise_key(cfg, trainable, config, noise_key))
+    tkey = trial_noise_key(cfg, trainable, config, noise_key)
+    from trainables.mia_trial import mia_trial  # the mia key: the members join the training set (docs/mia.md)
+
+    mia = mia_trial(cfg, x, y, device, tkey, mechanism_cls)
+    if mia is not None:
+        x, y = mia.training_data()
+    mech = build_mechanism(mechanism_cls, cfg, x, y, device, tkey)
     if cfg.certifier != "default":  # refuse before any training or MLflow run
         smoothing_classifier(mech, cfg, trainable)
 
@@ -319,6 +325,8 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         if audit_settings(cfg) is not None and not diverged:  # black-box canaries, or the engine's white-box ones
             final["metrics"].update(run_audit(mech, canaries, cfg, final["metrics"].get("delta", 0.0),
                                               claim=calibrated_epsilon(cfg, final["metrics"])))
+        if mia is not None and not diverged:  # the membership attack on the trained model (trainables.mia_trial)
+            final["metrics"].update(mia.run(mech, final["metrics"]))
         # time spent training and evaluating, without logging and checkpointing (all attempts)
         final["metrics"]["compute_seconds"] = meta.get("compute_seconds", 0.0) + time.perf_counter() - t0
         if tracker:
@@ -337,16 +345,32 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         # Ray stops a trial (a scheduler's early stop, the end of the sweep) with BaseExceptions of
         # its own: the run is KILLED, not FAILED, and a run already FINISHED stays so.
         if tracker and not finished:
-            if isinstance(exc, Exception):
-                try:
-                    record_failure(tracker, exc)
-                except Exception:  # noqa: BLE001 - keep the original error
-                    pass
-            try:
-                tracker.finish("FAILED" if isinstance(exc, Exception) else "KILLED")
-            except Exception:  # noqa: BLE001 - keep the original error
-                pass
+            close_after_failure(tracker, exc)
         raise
+
+
+def close_after_failure(tracker, exc: BaseException) -> None:
+    """Record ``exc`` on the trial's run and close it (FAILED; KILLED for Ray's own stops), keeping
+    the original error whatever the store says. When the tracking store itself is what failed
+    (``TrackingDown``: a call just failed through all its attempts) each record gets one attempt,
+    and none after the first refused: the sweep stops on that error (``sweeps.runner.TrackingWatch``)
+    and ``dpsweep resume`` closes the run the store would not take (issue 49, point 1)."""
+    import contextlib
+
+    from trainables.tracking import TrackingDown, single_attempt
+
+    down = isinstance(exc, TrackingDown)
+    with single_attempt() if down else contextlib.nullcontext():
+        if isinstance(exc, Exception):
+            try:
+                record_failure(tracker, exc)
+            except Exception:  # noqa: BLE001 - keep the original error
+                if down:
+                    return
+        try:
+            tracker.finish("FAILED" if isinstance(exc, Exception) else "KILLED")
+        except Exception:  # noqa: BLE001 - keep the original error
+            pass
 
 
 HELD_OUT = "heldout_"  # prefix of the metrics measured on the held-out images of a selection split
