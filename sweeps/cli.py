@@ -297,9 +297,11 @@ def _run(args, interrupts, sweep: dict) -> int:
     from sweeps.runner import RayUnreachable, build_tuner, ray_init, save_state, swept_keys, unique_run_name
     from sweeps.tracking import start_parent_run
 
+    fresh = _fresh_paths(tracking_uri, storage)
     try:
         print(ray_init(spec), flush=True)
-    except RayUnreachable as exc:
+    except RayUnreachable as exc:   # nothing of this run stays behind (issue 49, point 6)
+        _remove_fresh(fresh)
         _err(str(exc))
         return EXIT_INVALID
     interrupts.install()  # ray.init replaced the SIGTERM handler with one that exits at once
@@ -354,6 +356,31 @@ def _run(args, interrupts, sweep: dict) -> int:
     tuner = build_tuner(spec, storage=storage, run_name=run_name, mlflow_info=info, param_space=param_space,
                         total=total, gpu=gpu, noise_key=noise_key)
     return _fit_and_finish(tuner, info, exp_dir, tracking_uri, spec, total, interrupts)
+
+
+def _fresh_paths(tracking_uri: str, storage: str) -> list[Path]:
+    """The local SQLite store and the storage folder, where they do not exist yet: what a run that
+    fails before its sweep starts must not leave behind (``_remove_fresh``)."""
+    paths = []
+    if tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri[len("sqlite:///"):])
+        paths += [db, db.with_name(db.name + "-journal"), db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")]
+    if "://" not in storage:
+        paths.append(Path(storage))
+    return [p for p in paths if not p.exists()]
+
+
+def _remove_fresh(paths: list[Path]) -> None:
+    import shutil
+
+    for path in paths:
+        try:
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+        except OSError:
+            pass
 
 
 def _checked_cluster(spec, storage: str, tracking_uri: str) -> float | None:
@@ -438,24 +465,37 @@ def _unfinished(results, total: int | None, *, interrupted: bool = False, early_
 
 
 def _trial_errors(results) -> dict[str, str]:
-    """Ray trial id -> the last line of the error Ray recorded for each errored trial."""
-    out = {}
+    """Ray trial id -> the last line of the error Ray recorded for each errored trial (its last
+    attempt's: ``sweeps.runner.last_failure_cause``)."""
+    return {trial_id: why for trial_id, _config, why in _errored_trials(results)}
+
+
+def _errored_trials(results) -> list[tuple[str, dict, str]]:
+    """(Ray trial id, config, the last attempt's cause) of each trial that failed for good."""
+    from sweeps.runner import last_failure_cause
+
+    out = []
     for t in getattr(getattr(results, "_experiment_analysis", None), "trials", []) or []:
         try:
-            if t.status == "ERROR" and t.error_file:
-                lines = [x for x in Path(t.error_file).read_text(errors="replace").splitlines() if x.strip()]
-                out[t.trial_id] = lines[-1][:1000] if lines else "error"
+            if t.status == "ERROR":
+                out.append((t.trial_id, dict(t.config or {}), (last_failure_cause(t) or "error")[:1000]))
         except Exception:  # noqa: BLE001 - a tag's text only
             continue
     return out
 
 
-def _finished_in_mlflow(info: dict) -> set[str]:
-    """The trial ids whose child run under the parent is FINISHED (empty if MLflow cannot say)."""
+def _finished_in_mlflow(info: dict, strict: bool = False) -> set[str]:
+    """The trial ids whose child run under the parent is FINISHED (empty if MLflow cannot say;
+    ``strict``: a store that keeps failing, ``TrackingDown``, is raised)."""
     from sweeps.tracking import child_statuses
+    from trainables.tracking import TrackingDown
 
     try:
         return {trial for trial, status in child_statuses(info).items() if status == "FINISHED"}
+    except TrackingDown:
+        if strict:
+            raise
+        return set()
     except Exception:  # noqa: BLE001 - the count is a courtesy; Ray's results still decide
         return set()
 
@@ -528,10 +568,8 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
                     interrupts=None) -> int:
     import contextlib
 
-    from sweeps.runner import NOT_LEARNED_LEGEND, format_table, summarize
-    from sweeps.tracking import finish_parent_run, record_selection, stop_parent_run
+    from trainables.tracking import TrackingDown
 
-    experiment = spec.mlflow.experiment or spec.name
     try:
         # the first SIGINT/SIGTERM stops Tune gracefully (it stops the trials, saves the experiment
         # state and returns; sweeps/signals.py); a second one raises KeyboardInterrupt here
@@ -542,6 +580,9 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     except Exception as exc:  # noqa: BLE001 - a crashed sweep must not leave its parent RUNNING
         from sweeps.disk import StorageFull
 
+        down = _cause(exc, TrackingDown)
+        if down is not None:   # stopped on purpose (sweeps.runner.TrackingWatch), resumable once the store answers
+            return _tracking_down(info, exp_dir, tracking_uri, str(down))
         full = _cause(exc, StorageFull)
         if full is not None:   # stopped on purpose, resumable once space is freed
             _stop_ray()
@@ -555,9 +596,46 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
         _err(f"the sweep crashed ({type(exc).__name__}: {first}); MLflow parent run {info['parent_run_id']} "
              f"{state}; logs under {exp_dir}")
         return EXIT_FAILED
+    try:   # the driver's own records: a store that keeps failing stops here in one line too (issue 49.1)
+        return _after_fit(results, info, exp_dir, tracking_uri, spec, total, interrupts)
+    except TrackingDown as exc:
+        return _tracking_down(info, exp_dir, tracking_uri, f"the driver: {exc}")
+
+
+def _tracking_down(info: dict, exp_dir: str, tracking_uri: str, why: str) -> int:
+    """The tracking store kept failing through an MLflow call's retries (``TrackingDown``; issue 49,
+    point 1): Ray is shut down, the parent run and the RUNNING child runs are set KILLED if the store
+    takes it now (one attempt each, ``single_attempt``), and one line names the store, what failed,
+    what MLflow shows and ``dpsweep resume``, which closes what the store refused (it sets the
+    child runs an earlier driver left RUNNING KILLED, ``reopen_parent_run``) and continues. Exit 1."""
+    from sweeps.tracking import stop_parent_run
+    from trainables.tracking import single_attempt
+
+    _stop_ray()
+    resume = f"{_tool('dpsweep')} resume {exp_dir}"
+    what = "tracking server" if tracking_uri.startswith(("http://", "https://")) else "tracking store"
+    try:
+        with single_attempt():
+            stop_parent_run(info, "KILLED", f"the MLflow {what} kept failing ({why}); once it answers: {resume}")
+        runs = f"MLflow parent run {info['parent_run_id']} and its running trials' runs KILLED"
+    except Exception:  # noqa: BLE001 - it is still down: say what MLflow shows
+        runs = (f"MLflow parent run {info['parent_run_id']} and its running trials' runs still show RUNNING (the "
+                f"store takes no writes)")
+    _err(f"the MLflow {what} at {tracking_uri} keeps failing ({why[:600]}): the sweep stopped; {runs}; once it "
+         f"answers, continue with: {resume} (it closes them)")
+    return EXIT_FAILED
+
+
+def _after_fit(results, info: dict, exp_dir: str, tracking_uri: str, spec, total: int | None, interrupts) -> int:
+    """``_fit_and_finish`` once ``tuner.fit()`` returned: an unfinished sweep's resume line, or the
+    sweep's selection, best trial, closing records and console summary."""
+    from sweeps.runner import NOT_LEARNED_LEGEND, format_table, summarize
+    from sweeps.tracking import finish_parent_run, record_selection
+
+    experiment = spec.mlflow.experiment or spec.name
     interrupted = interrupts is not None and interrupts.interrupted
     unfinished, done = _unfinished(results, total, interrupted=interrupted, early_stops=spec.scheduler.type != "none",
-                                   finished_ids=_finished_in_mlflow(info))
+                                   finished_ids=_finished_in_mlflow(info, strict=True))
     if interrupted or unfinished:
         return _interrupted(info, exp_dir, done, total, interrupts)
     from sweeps.report.best import closing_lines, console_metrics, describe_released, label_candidates
@@ -587,11 +665,18 @@ def _fit_and_finish(tuner, info: dict, exp_dir: str, tracking_uri: str, spec, to
     from sweeps.report.best import describe_best, record_best
     from sweeps.words import all_of
 
+    from trainables.tracking import TrackingDown
+
     try:  # the best trial and the compare view, tagged on the parent run (docs/metrics.md)
         best = record_best(info, spec, rows)
+    except TrackingDown:
+        raise
     except Exception as exc:  # noqa: BLE001 - the trials' results are safe in MLflow; say what is missing
         best = None
         _err(f"could not tag the best trial and the compare view on the parent run: {exc}")
+    from sweeps.tracking import record_runless_failures
+
+    record_runless_failures(info, _errored_trials(results))   # every trial has a run that says why (issue 49.5)
     finish_parent_run(info, summary, "FAILED" if failed else "FINISHED", _trial_errors(results))
     print()
     print(format_table(label_candidates(rows, spec)))
@@ -672,9 +757,11 @@ def _resume(args, interrupts, sweep: dict) -> int:
                             mlflow_info=info, param_space=ray_param_space(spec), total=total,
                             gpu=state.get("gpu", gpu), noise_key=noise_key)
     interrupts.begin_graceful()
-    reopen_parent_run(info)
+    stale = reopen_parent_run(info)
     sweep.update(info=info, exp_dir=str(exp_dir), total=total)
-    print(f"resuming {exp_dir}; MLflow parent run {info['parent_run_id']}", flush=True)
+    closed = (f" ({stale} child run{'s' if stale != 1 else ''} an earlier driver left RUNNING set KILLED; each "
+              "trial logs into its own again)") if stale else ""
+    print(f"resuming {exp_dir}; MLflow parent run {info['parent_run_id']}{closed}", flush=True)
     _say_where(spec, info, str(exp_dir))
     return _fit_and_finish(tuner, info, str(exp_dir), info["tracking_uri"], spec, total, interrupts)
 

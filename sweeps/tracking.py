@@ -56,12 +56,14 @@ class TrackingUnreachable(ValueError):
     """The MLflow tracking store cannot be reached or written (one line, naming the URI)."""
 
 
-def check_tracking_store(uri: str, *, field: str = "tracking URI", timeout: float = 2.5, tries: int = 2) -> None:
+def check_tracking_store(uri: str, *, field: str = "tracking URI", timeout: float | None = None, tries: int = 2) -> None:
     """Fail fast (``TrackingUnreachable``) when ``uri`` cannot work, before Ray starts or any
     MLflow run exists: an ``http(s)://`` tracking server is probed at ``/health`` (MLflow's
     liveness endpoint; ``/api/2.0/mlflow/experiments/search`` where a proxy hides it) with a
-    ``timeout``-second limit, ``tries`` times; a SQLite database or a file store must be writable
-    by this process. Other stores (postgresql://, databricks, ...) are left to MLflow.
+    ``timeout``-second limit (default: ``probe_timeout()``, the limit MLflow's own requests get, so a
+    slow but live server that the sweep's calls would reach is not refused), ``tries`` times; a
+    SQLite database or a file store must be writable by this process. Other stores (postgresql://,
+    databricks, ...) are left to MLflow.
 
     MLflow's own client retries a refused connection for about two minutes per call, so without
     this a sweep against a server that is not running stays silent for minutes."""
@@ -69,7 +71,7 @@ def check_tracking_store(uri: str, *, field: str = "tracking URI", timeout: floa
     if problem:
         raise TrackingUnreachable(f"{field}: {uri}: {problem}")
     if uri.startswith(("http://", "https://")):
-        _probe_server(uri, field=field, timeout=timeout, tries=tries)
+        _probe_server(uri, field=field, timeout=probe_timeout() if timeout is None else timeout, tries=tries)
         return
     if uri.startswith("sqlite:///"):
         _check_writable(Path(uri[len("sqlite:///"):]), uri, field, is_file=True)
@@ -79,6 +81,18 @@ def check_tracking_store(uri: str, *, field: str = "tracking URI", timeout: floa
         _check_writable(Path(urlparse(uri).path), uri, field, is_file=False)
     elif "://" not in uri and ":" not in uri.split("/", 1)[0] and uri not in ("databricks", "databricks-uc", "uc"):
         _check_writable(Path(uri), uri, field, is_file=False)
+
+
+def probe_timeout() -> float:
+    """Seconds the start-up probe waits for each answer: ``MLFLOW_HTTP_REQUEST_TIMEOUT`` (what MLflow's
+    own requests wait; ``bound_mlflow_http`` makes it 20 s unless the user set it), at least 1 s.
+    A fixed 2.5 s refused a live server under load (issue 49, point 6) that the sweep's own calls
+    would have reached."""
+    try:
+        value = float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") or MLFLOW_HTTP_BOUNDS["MLFLOW_HTTP_REQUEST_TIMEOUT"])
+    except ValueError:
+        value = float(MLFLOW_HTTP_BOUNDS["MLFLOW_HTTP_REQUEST_TIMEOUT"])
+    return max(1.0, value)
 
 
 def _check_writable(path: Path, uri: str, field: str, *, is_file: bool) -> None:
@@ -123,7 +137,9 @@ def _probe_server(uri: str, *, field: str, timeout: float, tries: int) -> None:
         except urllib.error.HTTPError as exc:
             return exc.code
         except (urllib.error.URLError, OSError) as exc:
-            reason = str(getattr(exc, "reason", exc) or exc)
+            cause = getattr(exc, "reason", exc)
+            timed_out = isinstance(cause, TimeoutError) or "timed out" in str(cause)
+            reason = "timeout" if timed_out else str(cause or exc)
             return None
 
     for attempt in range(max(1, tries)):
@@ -147,9 +163,12 @@ def _probe_server(uri: str, *, field: str, timeout: float, tries: int) -> None:
     if reason.startswith("HTTP"):
         raise TrackingUnreachable(f"{field}: the MLflow tracking server at {uri} fails ({reason}, {tries} tries); "
                                   f"its log or its backend store says why")
-    raise TrackingUnreachable(f"{field}: no MLflow tracking server answers at {uri} ({reason}, {tries} tries of "
-                              f"{timeout:g} s); start one (mlflow server --host HOST --port PORT) or pass another "
-                              f"--tracking-uri")
+    if reason == "timeout":   # a live server under load answers slowly: say how long we waited (issue 49.6)
+        raise TrackingUnreachable(f"{field}: the MLflow tracking server at {uri} did not answer within {timeout:g} s "
+                                  f"({tries} tries; MLFLOW_HTTP_REQUEST_TIMEOUT sets how long to wait); check that "
+                                  f"it runs and is not overloaded, or pass another --tracking-uri")
+    raise TrackingUnreachable(f"{field}: no MLflow tracking server answers at {uri} ({reason}, {tries} tries); "
+                              f"start one (mlflow server --host HOST --port PORT) or pass another --tracking-uri")
 
 
 def git_commit() -> str:
@@ -195,9 +214,10 @@ class TrackingFailed(RuntimeError):
 
 
 #: MLflow's HTTP client retries, bounded for dpsweep unless the user sets them (docs/faults.md):
-#: a call's request times out after 20 s and is retried twice (1 s, 2 s), and ``retry`` repeats a
-#: failing call 8 times over about a minute, so a server that keeps failing ends a call in about
-#: 2 minutes (8 minutes at most when every request hangs until its timeout).
+#: a call's request times out after 20 s and is retried twice, and ``retry`` repeats a failing call
+#: 8 times with 61.5 s of waits, so a server answering HTTP 500 ends a call in about 80 s (the sweep
+#: stops about 95 s after the first failing answer), one whose every request hangs until its
+#: timeout in about 9.5 minutes. ``ray_init`` hands them to the workers of a cluster too.
 MLFLOW_HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
 
@@ -252,8 +272,9 @@ def start_parent_run(tracking_uri: str, experiment: str, run_name: str, spec_raw
     return {"tracking_uri": tracking_uri, "experiment_id": exp_id, "parent_run_id": run_id}
 
 
-def reopen_parent_run(info: dict) -> None:
-    """``dpsweep resume``: the interrupted sweep's parent run is RUNNING again."""
+def reopen_parent_run(info: dict) -> int:
+    """``dpsweep resume``: the interrupted sweep's parent run is RUNNING again, and the child runs an
+    earlier driver left RUNNING are KILLED (``close_stale_children``; their number is returned)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(info["tracking_uri"])
@@ -264,6 +285,25 @@ def reopen_parent_run(info: dict) -> None:
         retry(lambda: client.set_tag(parent, "dpsweep.interrupted", "resumed"), what="set_tag")
     if "dpsweep.error" in tags:         # the crash it recorded is over: a resumed sweep ends with its own state
         retry(lambda: client.delete_tag(parent, "dpsweep.error"), what="delete_tag(error)")
+    return close_stale_children(client, info)
+
+
+def close_stale_children(client, info: dict) -> int:
+    """Set KILLED the child runs still RUNNING under the parent when ``dpsweep resume`` starts: no
+    trial of the new driver runs yet, so they are an earlier driver's, left RUNNING because the
+    tracking store refused their last writes (it was down: issue 49, point 1) or the driver was
+    killed. A restored trial reopens its own by its Ray trial id, a restarted one by its trial key
+    (``trainables.tracking.find_trial_run``, which adopts a KILLED run, never a RUNNING one).
+    Returns how many were closed."""
+    from trainables.tracking import TAG_PARENT
+
+    running = retry(lambda: client.search_runs(
+        [str(info["experiment_id"])],
+        filter_string=f"tags.`{TAG_PARENT}` = '{info['parent_run_id']}' and attributes.status = 'RUNNING'",
+        max_results=10000), what="search_runs(running children)")
+    for run in running:
+        retry(lambda: client.set_terminated(run.info.run_id, status="KILLED"), what="set_terminated(stale child)")
+    return len(running)
 
 
 def stop_parent_run(info: dict, status: str, note: str) -> int:
@@ -327,6 +367,82 @@ def finish_parent_run(info: dict, summary: dict[str, float], status: str,
     if metrics:
         retry(lambda: client.log_batch(parent, metrics=metrics), what="log_batch(summary)")
     retry(lambda: client.set_terminated(parent, status=status), what="set_terminated")
+
+
+def record_runless_failures(info: dict, failed: list[tuple[str, dict, str]]) -> int:
+    """Every trial that failed for good has a child run saying why (issue 49, point 5). ``failed``:
+    (Ray trial id, trial config, the last attempt's cause) of each errored trial. A trial that
+    failed before it opened its run (killed by Ray's memory monitor, a time limit or an error while
+    loading its data or building its model) has none: the driver finds it the way the trial would
+    (``trainables.tracking.find_trial_run``: by its Ray trial id, else by its trial key among the
+    runs an earlier driver left FAILED or KILLED) or opens it, with the trial's tags (Ray id, trial
+    key, trainable, this driver's session), name and params, then records the cause as
+    ``dpsweep.error`` and closes it FAILED. A restarted trial (``dpsweep resume``) logs into that
+    run. A run that already holds a ``dpsweep.error`` (the trial recorded its own) is left as it
+    is; one still RUNNING is ``finish_parent_run``'s. Returns how many runs were written."""
+    from mlflow.entities import Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    from trainables.runtime import TAG_ERROR
+    from trainables.tracking import (SESSION_ENV, TAG_KEY, TAG_PARENT, TAG_SESSION, TAG_TRAINABLE, TAG_TRIAL,
+                                     TrackingDown, find_trial_run)
+
+    if not failed:
+        return 0
+    client = MlflowClient(info["tracking_uri"])
+    exp, parent = str(info["experiment_id"]), info["parent_run_id"]
+    session = os.environ.get(SESSION_ENV) or None
+    written = 0
+    for trial_id, config, why in failed:
+        try:
+            trainable, key, params, name = _trial_identity(config, info)
+            run = find_trial_run(client, exp, parent, trial_id, key, session)
+            if run is not None and (run.info.status == "RUNNING" or TAG_ERROR in run.data.tags
+                                    and run.data.tags.get(TAG_TRIAL) == trial_id):
+                continue
+            tags = {TAG_TRIAL: trial_id, TAG_ERROR: why[:5000], **({TAG_SESSION: session} if session else {})}
+            if run is None:
+                tags.update({TAG_PARENT: parent, TAG_TRAINABLE: trainable, "mlflow.runName": name,
+                             **({TAG_KEY: key} if key else {})})
+                run = retry(lambda: client.create_run(exp, tags=tags, run_name=name), what="create_run(failed trial)")
+                batch = [Param(k[:250], str(v)[:6000]) for k, v in sorted(params.items())]
+                for i in range(0, len(batch), 100):
+                    part = batch[i:i + 100]
+                    retry(lambda: client.log_batch(run.info.run_id, params=part), what="log_batch(failed trial)")
+            else:   # an earlier driver's run of this trial, which this attempt never reached
+                marks = [RunTag(k, v) for k, v in tags.items()]
+                retry(lambda: client.log_batch(run.info.run_id, tags=marks), what="log_batch(failed trial)")
+            retry(lambda: client.set_terminated(run.info.run_id, status="FAILED"), what="set_terminated(failed trial)")
+            written += 1
+        except TrackingDown:
+            raise
+        except Exception:  # noqa: BLE001 - one trial's record must not stop the others' or the sweep's end
+            continue
+    return written
+
+
+def _trial_identity(config: dict, info: dict) -> tuple[str, str | None, dict, str]:
+    """(trainable, trial key, params, run name) of a trial from its Ray config, as ``run_trial``
+    makes them (``trainables.runtime.trial_key``); a config its trainable's schema refuses has no
+    key, and its params are the config as given."""
+    from trainables.config import trial_config
+    from trainables.registry import REGISTRY
+    from trainables.runtime import HIDDEN_KEYS, trial_key, validate_config
+    from trainables.tracking import run_name
+
+    flat = trial_config(config)
+    trainable = str(flat.get("trainable", ""))
+    key, params = None, {k: v for k, v in flat.items() if k not in HIDDEN_KEYS}
+    entry = REGISTRY.get(trainable)
+    if entry is not None:
+        try:
+            cfg = validate_config(flat, entry.config_model)
+            key, params = trial_key(cfg, trainable, flat), cfg.model_dump()
+        except ValueError:
+            pass
+    name = run_name(trainable, params, (info.get("swept") or {}).get(trainable, ()))
+    params = {"trainable": trainable, **params, **({"repeat": flat["repeat"]} if "repeat" in flat else {})}
+    return trainable, key, params, name
 
 
 SELECTION_NOT_COVERED = ("not covered: choosing among the trials ({best}) is not covered by any privacy "

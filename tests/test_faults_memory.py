@@ -61,6 +61,26 @@ def test_the_console_names_the_memory_kill_and_what_to_lower(tmp_path, capsys):
     assert Path(err).exists()
 
 
+def test_after_a_memory_kill_a_later_failure_is_printed_as_itself(tmp_path, capsys):
+    """Issue 49, point 5: Tune's error file holds every attempt's failure; the console read all of it,
+    so after one memory kill any later failure of the trial was printed as a memory kill. Now the
+    FAILED line names the last attempt's cause."""
+    from sweeps.runner import ProgressPrinter
+
+    err = tmp_path / "error.txt"
+    trial = SimpleNamespace(trial_id="t_00002", config={"trainable": "dpsgd", "seed": 1}, local_path=str(tmp_path),
+                            error_file=str(err))
+    err.write_text("Failure # 1 (occurred at 2026-12-06_10-00-00)\nray.exceptions.RayActorError: KilledForMemory: "
+                   + OOM + "\nFailure # 2 (occurred at 2026-12-06_10-01-00)\nray.exceptions.RayTaskError(ValueError): "
+                   "ray::ImplicitFunc.train()\n  File \"x.py\", line 1\nValueError: lr must be positive\n")
+    printer = ProgressPrinter(1)
+    printer.on_trial_recover(0, [], trial)
+    printer.on_trial_error(0, [], trial)
+    out = capsys.readouterr().out
+    assert "Ray's memory monitor" not in out and "killed   " not in out, out
+    assert "FAILED   t_00002" in out and "ValueError: lr must be positive" in out, out
+
+
 HOG = '''
 import torch
 from torch import nn

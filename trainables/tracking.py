@@ -23,8 +23,11 @@ checkpoint (the same values: RNG states are checkpointed) without a second point
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
@@ -79,13 +82,69 @@ def is_permanent(exc: BaseException) -> bool:
     return 400 <= status < 500 and status not in TRANSIENT_HTTP
 
 
-def retry(fn: Callable[[], T], *, what: str, attempts: int = 8, first_wait: float = 0.5) -> T:
-    """Call ``fn`` until it succeeds, waiting 0.5, 1, 2, ... s (about 2 minutes in all).
+ATTEMPTS_ENV = "DPSWEEP_MLFLOW_ATTEMPTS"   # how many times ``retry`` tries a call (default ATTEMPTS)
+ATTEMPTS = 8
+
+
+class TrackingDown(RuntimeError):
+    """An MLflow call failed on every attempt with an error that a retry could cure (a refused
+    connection, a timeout, HTTP 5xx): the tracking server or store is down, not the request wrong.
+    One line: ``MLflow <call> failed after N attempts (S s): <MLflow's error>``. The sweep stops
+    on it (``sweeps.runner.TrackingWatch``; docs/faults.md)."""
+
+
+_single_attempt = contextvars.ContextVar("dpsweep_mlflow_single_attempt", default=False)
+
+
+@contextlib.contextmanager
+def single_attempt():
+    """Inside, ``retry`` tries each call once: for recording how things ended once a call has just
+    failed through all its attempts (``TrackingDown``), where a store that is still down would
+    otherwise cost a full retry per record."""
+    token = _single_attempt.set(True)
+    try:
+        yield
+    finally:
+        _single_attempt.reset(token)
+
+
+def default_attempts() -> int:
+    """``DPSWEEP_MLFLOW_ATTEMPTS`` (at least 1), else 8."""
+    try:
+        return max(1, int(os.environ.get(ATTEMPTS_ENV) or ATTEMPTS))
+    except ValueError:
+        return ATTEMPTS
+
+
+def brief_error(exc: BaseException) -> str:
+    """MLflow's error in a few words where it is one of the usual ones (``HTTP 500 from <url>``,
+    ``connection refused by <url>``, ``no answer within 20 s from <url>``), else its text on one line."""
+    import re
+
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    found = re.search(r"API request to (\S+) failed", text)
+    url = found.group(1) if found else ""
+    for pattern, words in ((r"too many (\d{3}) error responses", "HTTP {0} from {url}"),
+                           (r"Connection refused", "connection refused by {url}"),
+                           (r"read timeout=([\d.]+)", "no answer within {0} s from {url}")):
+        m = re.search(pattern, text)
+        if m and url:
+            return words.format(*m.groups(), url=url)
+    return text[:1000]
+
+
+def retry(fn: Callable[[], T], *, what: str, attempts: int | None = None, first_wait: float = 0.5) -> T:
+    """Call ``fn`` until it succeeds: ``attempts`` tries (default ``default_attempts()``, 8),
+    waiting 0.5, 1, 2, 4, 8, 16, 30 s between them (61.5 s in all; each try is one MLflow call with
+    MLflow's own retries inside: docs/faults.md). Then ``TrackingDown``. One try inside
+    ``single_attempt()``.
 
     A permanent MLflow error (``is_permanent``) is raised at once, unchanged: retrying an unknown
     run id or a refused request only delays the same message.
     """
+    attempts = 1 if _single_attempt.get() else (default_attempts() if attempts is None else max(1, attempts))
     wait = first_wait
+    t0 = time.monotonic()
     for i in range(attempts):
         try:
             return fn()
@@ -93,7 +152,9 @@ def retry(fn: Callable[[], T], *, what: str, attempts: int = 8, first_wait: floa
             if is_permanent(exc):
                 raise
             if i == attempts - 1:
-                raise RuntimeError(f"MLflow {what} failed after {attempts} attempts: {exc}") from exc
+                said = brief_error(exc)
+                raise TrackingDown(f"MLflow {what} failed after {attempts} attempt{'s' if attempts > 1 else ''} "
+                                   f"({time.monotonic() - t0:.0f} s): {said}") from exc
             log.warning("MLflow %s failed (%s); retrying in %.1fs", what, exc, wait)
             time.sleep(wait)
             wait = min(wait * 2, 30.0)
