@@ -81,8 +81,13 @@ class ProgressPrinter(tune.Callback):
                       "retried from its last checkpoint")
 
     def on_trial_error(self, iteration, trials, trial, **info):
+        # the last attempt's cause: after a memory kill, a later attempt may fail otherwise (issue 49.5)
         self.failed += 1
-        why = f" killed by Ray's memory monitor: {MEMORY_HINT};" if _killed_for_memory(trial) else ""
+        if _killed_for_memory(trial):
+            why = f" killed by Ray's memory monitor: {MEMORY_HINT};"
+        else:
+            cause = last_failure_cause(trial)
+            why = f" {cause[:300]};" if cause else ""
         self._say(f"FAILED   {trial.trial_id} ({_describe(trial.config)});{why} see {trial.local_path}")
 
 
@@ -93,11 +98,30 @@ class KilledForMemory(RayActorError):
     """A trial's worker killed by Ray's memory monitor, as the actor failure it is (issue 33, point 3)."""
 
 
-def _killed_for_memory(trial) -> bool:
-    """Whether the trial's last error was a memory kill (Tune writes it to the trial's error file)."""
+def last_failure(trial) -> str:
+    """The text of the trial's last failure in Tune's error file, which holds every attempt's
+    (``Failure # 1 (occurred at ...)``, ``Failure # 2 ...``, appended); "" when there is none."""
+    import re
+
     try:
         path = trial.error_file
         text = Path(path).read_text(errors="replace") if path else ""
+    except Exception:  # noqa: BLE001 - only console lines and tags depend on it
+        return ""
+    return re.split(r"(?m)^Failure # \d+\b.*$", text)[-1].strip()
+
+
+def last_failure_cause(trial) -> str:
+    """The last line of the trial's last failure (``ValueError: lr must be positive``), or ""."""
+    lines = [x for x in last_failure(trial).splitlines() if x.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def _killed_for_memory(trial) -> bool:
+    """Whether the trial's last failure was a memory kill (Tune writes every attempt's to the
+    trial's error file: an earlier attempt's memory kill says nothing of the last one)."""
+    try:
+        text = last_failure(trial)
         # ours (Ray's OutOfMemoryError raised to the actor manager) or Ray's own, wrapped in a task error
         return any(m in text for m in (KilledForMemory.__name__, "OutOfMemoryError", "running low on memory"))
     except Exception:  # noqa: BLE001 - only a console line depends on it
@@ -305,12 +329,54 @@ class ForwardInterrupt(tune.Callback):
             interrupts.forward()
 
 
+class TrackingWatch(tune.Callback):
+    """Stops the sweep when a trial failed because the MLflow tracking store kept failing (issue 49,
+    point 1): one of its MLflow calls failed through all its attempts (``TrackingDown``, about a
+    minute and a half against a server answering HTTP 500; docs/faults.md). Every other trial's
+    next call would fail the same way, each after its own retries, and the driver's records after
+    theirs, so the sweep stops at the next step of Tune's loop (``sweeps.cli`` turns the raised
+    ``TrackingDown`` into one line naming the server and ``dpsweep resume``, exit 1), as
+    ``StorageWatch`` does for a full disk."""
+
+    def __init__(self):
+        self.down: str | None = None
+
+    def _check(self, trial) -> None:
+        if self.down is None:
+            why = tracking_down_in(last_failure(trial))
+            if why:
+                self.down = f"trial {trial.trial_id}: {why}"
+
+    def on_trial_recover(self, iteration, trials, trial, **info):
+        self._check(trial)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._check(trial)
+
+    def on_step_end(self, iteration, trials, **info):
+        if self.down is not None:
+            from trainables.tracking import TrackingDown
+
+            down, self.down = self.down, None
+            raise TrackingDown(down)
+
+
+def tracking_down_in(failure: str) -> str | None:
+    """The ``TrackingDown`` message in a trial's failure text (Ray's traceback of it), or None."""
+    from trainables.tracking import TrackingDown
+
+    marker = f"{TrackingDown.__name__}: "
+    lines = [x for x in failure.splitlines() if marker in x]
+    return lines[-1].split(marker, 1)[1].strip() if lines else None
+
+
 def callbacks(spec, total: int | None, places: list[tuple[str, str]] = ()) -> list:
     from sweeps.disk import StorageWatch
 
     out = [ProgressPrinter(total), ForwardInterrupt(), StorageWatch(list(places))]
     if not spec.keep_checkpoints:
         out.append(CheckpointCleaner())
+    out.append(TrackingWatch())
     return out
 
 
@@ -523,7 +589,8 @@ PROBE_SECONDS = 10.0
 
 
 class RayUnreachable(RuntimeError):
-    """The Ray cluster the user named does not answer (one line: the address and how long we waited)."""
+    """The Ray cluster the user named does not answer (one line: the address and how long we waited),
+    or the private local Ray did not start."""
 
 
 def _named_address(address: str, current_file: str = CURRENT_CLUSTER_FILE) -> str:
@@ -637,11 +704,27 @@ def ray_init(spec=None) -> str:
 
     session = uuid.uuid4().hex
     os.environ[SESSION_ENV] = session
-    env["env_vars"] = {**env.get("env_vars", {}), SESSION_ENV: session}
+    # and how long its MLflow calls retry (sweeps.tracking.bound_mlflow_http): a cluster's workers do
+    # not inherit the driver's environment, and MLflow's defaults retry for tens of minutes
+    from sweeps.tracking import MLFLOW_HTTP_BOUNDS
+    from trainables.tracking import ATTEMPTS_ENV
+
+    bounds = {k: os.environ[k] for k in (*MLFLOW_HTTP_BOUNDS, ATTEMPTS_ENV) if os.environ.get(k)}
+    env["env_vars"] = {**bounds, **env.get("env_vars", {}), SESSION_ENV: session}
     common = dict(include_dashboard=False, log_to_driver=False, configure_logging=True, logging_level="WARNING",
                   **({"runtime_env": env} if env else {}))
     if not address or address.lower() == "local":
-        ray.init(address="local", **common)
+        try:
+            ray.init(address="local", **common)
+        except Exception as exc:  # noqa: BLE001 - one line, not Ray's traceback (issue 49, point 6)
+            try:   # whatever Ray managed to start goes again
+                ray.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise RayUnreachable(f"Ray: the private local instance did not start ({type(exc).__name__}: {first}); "
+                                 "nothing ran; Ray's logs are under /tmp/ray/session_latest/logs (a machine short "
+                                 "of CPU, memory or /tmp space delays Ray's processes past its start-up limit)") from None
         protect_ray_token()
         cpus = ray.cluster_resources().get("CPU", 0)
         return f"Ray: a private local instance ({cpus:g} CPUs; set RAY_ADDRESS to run on a cluster)"

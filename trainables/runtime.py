@@ -345,16 +345,32 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
         # Ray stops a trial (a scheduler's early stop, the end of the sweep) with BaseExceptions of
         # its own: the run is KILLED, not FAILED, and a run already FINISHED stays so.
         if tracker and not finished:
-            if isinstance(exc, Exception):
-                try:
-                    record_failure(tracker, exc)
-                except Exception:  # noqa: BLE001 - keep the original error
-                    pass
-            try:
-                tracker.finish("FAILED" if isinstance(exc, Exception) else "KILLED")
-            except Exception:  # noqa: BLE001 - keep the original error
-                pass
+            close_after_failure(tracker, exc)
         raise
+
+
+def close_after_failure(tracker, exc: BaseException) -> None:
+    """Record ``exc`` on the trial's run and close it (FAILED; KILLED for Ray's own stops), keeping
+    the original error whatever the store says. When the tracking store itself is what failed
+    (``TrackingDown``: a call just failed through all its attempts) each record gets one attempt,
+    and none after the first refused: the sweep stops on that error (``sweeps.runner.TrackingWatch``)
+    and ``dpsweep resume`` closes the run the store would not take (issue 49, point 1)."""
+    import contextlib
+
+    from trainables.tracking import TrackingDown, single_attempt
+
+    down = isinstance(exc, TrackingDown)
+    with single_attempt() if down else contextlib.nullcontext():
+        if isinstance(exc, Exception):
+            try:
+                record_failure(tracker, exc)
+            except Exception:  # noqa: BLE001 - keep the original error
+                if down:
+                    return
+        try:
+            tracker.finish("FAILED" if isinstance(exc, Exception) else "KILLED")
+        except Exception:  # noqa: BLE001 - keep the original error
+            pass
 
 
 HELD_OUT = "heldout_"  # prefix of the metrics measured on the held-out images of a selection split
