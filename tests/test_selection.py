@@ -239,6 +239,6 @@ def test_console_best_lines_show_the_configuration_its_spread_and_held_out_score
     text = describe_best(best, ["cfg.max_grad_norm", "cfg.seed"], 4)
     assert text.startswith("best:     configuration (max_grad_norm=0.5): acc_clean = 0.9525 ± 0.00071 (mean ± sd "
                            "over n = 2 seeds)"), text
-    assert "runner-up acc_clean = 0.9488 ± 0.0095" in text and "paired t-test on 2 matching seeds" in text
+    assert "runner-up (max_grad_norm=1) acc_clean = 0.9488 ± 0.0095" in text and "paired t-test on 2 matching seeds" in text
     assert "held-out acc_clean = 0.9485 ± 0.00071 (n = 2) on the test images selection did not read" in text
     assert "seed=" not in text.splitlines()[0]

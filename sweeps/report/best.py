@@ -82,6 +82,89 @@ class ConfigScore:
 
 
 @dataclass
+class Comparison:
+    """Two configurations compared over their seeds (issue 51.2): the paired t-test on matching seeds
+    (else Welch's), the difference of their means with its 95% t-interval, an effect size (Cohen's
+    d_z of the paired differences, or d with the pooled sd) and, when several comparisons are made,
+    the Holm-adjusted p-value."""
+
+    name: str                  # "best vs runner-up", "best vs non-private baseline", "A vs B"
+    a: ConfigScore
+    b: ConfigScore
+    test: str                  # "paired t-test", "Welch's t-test" or "" (one trial on a side)
+    p_value: float             # NaN: not testable, or no spread at all
+    pairs: int
+    diff: float                # mean(a) - mean(b) (paired: the mean of the per-seed differences)
+    ci: tuple[float, float]    # its 95% interval (NaN without a test)
+    effect: float              # Cohen's d_z (paired) or d (pooled sd); NaN without spread
+    p_holm: float = math.nan   # Holm-adjusted over the comparisons made together
+
+    def summary(self, metric: str, label=lambda s: "") -> str:
+        """One sentence: the difference with its interval, the test, p (and Holm's), the effect size."""
+        what = f"{metric} difference {self.diff:+.4g}"
+        if not self.test:
+            return (f"{what} (not tested: {self.a.n} and {self.b.n} trial(s); one trial per configuration cannot "
+                    "tell seed-to-seed spread from a real difference)")
+        how = f"{self.test} on {self.pairs} matching seeds" if self.test.startswith("paired") else \
+            f"{self.test}, {self.a.n} and {self.b.n} seeds"
+        if not math.isfinite(self.p_value):
+            return f"{what} on every seed ({how}: no spread, not testable)"
+        holm = f", Holm-adjusted p = {self.p_holm:.2g}" if math.isfinite(self.p_holm) else ""
+        sig = self.p_holm if math.isfinite(self.p_holm) else self.p_value
+        verdict = "significant" if sig < ALPHA else "not significant"
+        eff = f", effect size {'d_z' if self.pairs else 'd'} = {self.effect:.2g}" if math.isfinite(self.effect) else ""
+        return (f"{what} [95% CI {self.ci[0]:+.4g}, {self.ci[1]:+.4g}] ({how}, p = {self.p_value:.2g}{holm}{eff}): "
+                f"{verdict} at {ALPHA:g}")
+
+
+def compare_scores(a: ConfigScore, b: ConfigScore, name: str = "") -> Comparison:
+    """``a`` against ``b`` over the seeds: a paired t-test (scipy.stats.ttest_rel) when both ran the
+    same seeds (at least two), else Welch's unequal-variance t-test; one trial on either side is not
+    testable. The difference's 95% interval is the t-interval of the test used."""
+    from scipy import stats
+
+    diff = float(np.mean(a.values) - np.mean(b.values))
+    nan2 = (math.nan, math.nan)
+    if a.n < 2 or b.n < 2:
+        return Comparison(name, a, b, "", math.nan, 0, diff, nan2, math.nan)
+    da, db = dict(zip(a.seeds, a.values)), dict(zip(b.seeds, b.values))
+    common = [s for s in da if s is not None and s in db]
+    if len(common) >= 2 and len(da) == a.n and len(db) == b.n and set(da) == set(db):
+        d = np.array([da[s] - db[s] for s in common])
+        mean, n = float(d.mean()), len(d)
+        sd = float(d.std(ddof=1))
+        if not d.any():
+            return Comparison(name, a, b, "paired t-test", math.nan, n, mean, (mean, mean), math.nan)
+        p = float(stats.ttest_rel([da[s] for s in common], [db[s] for s in common]).pvalue)
+        half = float(stats.t.ppf(1 - ALPHA / 2, n - 1)) * sd / math.sqrt(n)
+        return Comparison(name, a, b, "paired t-test", p, n, mean, (mean - half, mean + half),
+                          mean / sd if sd > 0 else math.nan)
+    va, vb = float(np.var(a.values, ddof=1)), float(np.var(b.values, ddof=1))
+    if va == 0 and vb == 0:
+        return Comparison(name, a, b, "Welch's t-test", math.nan, 0, diff, (diff, diff), math.nan)
+    p = float(stats.ttest_ind(a.values, b.values, equal_var=False).pvalue)
+    se2 = va / a.n + vb / b.n
+    df = se2 ** 2 / ((va / a.n) ** 2 / (a.n - 1) + (vb / b.n) ** 2 / (b.n - 1))
+    half = float(stats.t.ppf(1 - ALPHA / 2, df)) * math.sqrt(se2)
+    pooled = math.sqrt(((a.n - 1) * va + (b.n - 1) * vb) / (a.n + b.n - 2))
+    return Comparison(name, a, b, "Welch's t-test", p, 0, diff, (diff - half, diff + half),
+                      diff / pooled if pooled > 0 else math.nan)
+
+
+def holm(comparisons: list[Comparison]) -> None:
+    """Holm's step-down adjustment of the comparisons' p-values (set ``p_holm``) when more than one
+    has a p-value; a single test keeps its own."""
+    tested = sorted((c for c in comparisons if math.isfinite(c.p_value)), key=lambda c: c.p_value)
+    m = len(tested)
+    if m < 2:
+        return
+    running = 0.0
+    for j, c in enumerate(tested):
+        running = max(running, min(1.0, (m - j) * c.p_value))
+        c.p_holm = running
+
+
+@dataclass
 class Selection:
     """The best configuration, its runner-up, and whether the lead is significant over the seeds."""
 
@@ -94,10 +177,31 @@ class Selection:
     p_value: float             # NaN when not testable
     pairs: int                 # matching seeds of the paired test
     configurations: int        # configurations compared
+    baseline: ConfigScore | None = None    # the best non-private configuration: a reference, not a contender
+    ties: list[ConfigScore] = field(default_factory=list)  # others at the runner-up's selection score
+    best_ties: list[ConfigScore] = field(default_factory=list)  # others at the best's selection score
+    comparisons: list[Comparison] = field(default_factory=list)
 
     @property
     def significant(self) -> bool | None:
         return None if not self.test or not math.isfinite(self.p_value) else self.p_value < ALPHA
+
+    def comparison(self, name: str) -> Comparison | None:
+        return next((c for c in self.comparisons if c.name == name), None)
+
+    def tie_statement(self) -> str:
+        """Ties said, not broken silently (issue 51.2): configurations at the best's or the runner-up's
+        selection score."""
+        out = []
+        if self.best_ties:
+            out.append(f"{counted(len(self.best_ties), 'other configuration')} tie{'s' if len(self.best_ties) == 1 else ''} "
+                       f"with the best at {self.statistic} {_fmt(self.best.statistic)}: the first is shown, the "
+                       "choice between them is arbitrary")
+        if self.ties:
+            out.append(f"{counted(len(self.ties), 'other configuration')} tie{'s' if len(self.ties) == 1 else ''} "
+                       f"with the runner-up at {self.statistic} {_fmt(self.runner_up.statistic)}: the runner-up "
+                       "shown is the first of them")
+        return "; ".join(out)
 
     def statement(self) -> str:
         """The significance statement, one sentence (docs/report.md)."""
@@ -111,6 +215,9 @@ class Selection:
                     "them with search.num_samples)")
         how = (f"{self.test} on {self.pairs} matching seeds" if self.test.startswith("paired") else
                f"{self.test}, {self.best.n} and {self.runner_up.n} seeds")
+        c = self.comparison("best vs runner-up")
+        if c is not None and math.isfinite(c.p_holm):
+            how += f", Holm-adjusted p = {c.p_holm:.2g} over {len([x for x in self.comparisons if math.isfinite(x.p_value)])} comparisons"
         if not math.isfinite(self.p_value):
             return f"the best and the runner-up score the same on every seed ({how}): not significantly different"
         if self.significant:
@@ -118,6 +225,18 @@ class Selection:
                    f"p = {self.p_value:.2g} < {ALPHA:g})"
         return (f"the best and the runner-up are not significantly different over the seeds ({how}, p = "
                 f"{self.p_value:.2g} >= {ALPHA:g}): the choice between them is within seed-to-seed spread")
+
+    def baseline_statement(self, label: str = "") -> str:
+        """The non-private baseline beside the best private configuration: its score and what privacy
+        costs (best - baseline, with its interval and test)."""
+        if self.baseline is None:
+            return ""
+        who = f" ({label})" if label else ""
+        text = f"non-private baseline{who}: {describe_stats(self.baseline, self.metric)}"
+        c = self.comparison("best vs non-private baseline")
+        if c is not None and self.best is not None and self.best is not self.baseline:
+            text += f"; what privacy costs, best private minus baseline: {c.summary(self.metric)}"
+        return text
 
 
 def _stat(values: list[float], statistic: str, mode: str) -> float:
@@ -134,14 +253,20 @@ def _finite(value) -> bool:
 
 
 def select_configuration(rows: list[dict], metric: str, mode: str = "max", statistic: str = "mean", *,
-                         config_of, seed_of=lambda r: None, done=lambda r: True) -> Selection:
+                         config_of, seed_of=lambda r: None, done=lambda r: True, baseline_of=None,
+                         best_among: str = "private", compare=None, matches=None) -> Selection:
     """The best configuration by ``statistic`` (mean, median or worst) of ``metric`` over its repeats
     (issue 34, point 1): ``config_of(row)`` gives a row's configuration (hashable; every configured
     value but seed and repeat), ``seed_of(row)`` its seed, ``done(row)`` whether it finished. Ties
-    keep the configuration seen first. The runner-up is the next best; their difference is tested
-    over the seeds: a paired t-test (scipy.stats.ttest_rel) when both ran the same seeds (at least
-    two), else Welch's unequal-variance t-test (ttest_ind, equal_var=False); one trial on either side
-    is not testable."""
+    keep the configuration seen first, and are said (``Selection.ties``). The runner-up is the next
+    best; their difference is tested over the seeds (``compare_scores``).
+
+    ``baseline_of(row)``: whether a row is a non-private baseline (issue 51.1); with ``best_among``
+    ``private`` (the default) the best and the runner-up are private configurations and the best
+    baseline is ``Selection.baseline``, a reference (``all``: the baseline competes). ``compare``:
+    the comparisons to make (``runner_up``, ``baseline``, or ``{"a": where, "b": where}`` with
+    ``matches(where, row)``); default the runner-up and, when there is one, the baseline; Holm-adjusted
+    when several are tested."""
     groups: dict = {}
     for r in rows:
         if done(r) and _finite(r.get(metric)):
@@ -157,31 +282,94 @@ def select_configuration(rows: list[dict], metric: str, mode: str = "max", stati
             if held else None))
     sign = 1.0 if mode == "max" else -1.0
     order = sorted(range(len(scored)), key=lambda i: (-sign * scored[i].statistic, i))
+    baseline = None
+    if baseline_of is not None:
+        base = [i for i in order if baseline_of(scored[i].rows[0])]
+        baseline = scored[base[0]] if base else None
+        if best_among != "all" and len(base) < len(order):
+            order = [i for i in order if i not in base]
     best = scored[order[0]] if order else None
     runner = scored[order[1]] if len(order) > 1 else None
-    test, p, pairs = "", math.nan, 0
-    if best is not None and runner is not None and best.n > 1 and runner.n > 1:
-        from scipy import stats
+    def tied(x: float, y: float) -> bool:   # equal up to the rounding of a mean (0.8667 from different seeds)
+        return math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12)
 
-        a = dict(zip(best.seeds, best.values))
-        b = dict(zip(runner.seeds, runner.values))
-        common = [s for s in a if s is not None and s in b]
-        if len(common) >= 2 and len(a) == best.n and len(b) == runner.n and set(a) == set(b):
-            test, pairs = "paired t-test", len(common)
-            diff = np.array([a[s] - b[s] for s in common])
-            p = float(stats.ttest_rel([a[s] for s in common], [b[s] for s in common]).pvalue) if diff.any() else math.nan
-        else:
-            test = "Welch's t-test"
-            same = np.ptp(best.values) == 0 and np.ptp(runner.values) == 0 and best.values[0] == runner.values[0]
-            p = math.nan if same else float(stats.ttest_ind(best.values, runner.values, equal_var=False).pvalue)
-    return Selection(metric, mode, statistic, best, runner, test, p, pairs, len(scored))
+    best_ties = [scored[i] for i in order[1:] if tied(scored[i].statistic, best.statistic)] if best else []
+    ties = [scored[i] for i in order[2:] if runner is not None and tied(scored[i].statistic, runner.statistic)]
+    test, p, pairs = "", math.nan, 0
+    comparisons: list[Comparison] = []
+    items = list(compare) if compare else ["runner_up", "baseline"]
+    for item in items:
+        if item in ("runner_up", "runner-up") and best is not None and runner is not None:
+            comparisons.append(compare_scores(best, runner, "best vs runner-up"))
+        elif item == "baseline" and best is not None and baseline is not None and baseline is not best:
+            comparisons.append(compare_scores(best, baseline, "best vs non-private baseline"))
+        elif isinstance(item, dict) and matches is not None:
+            pick = [next((s for s in scored if matches(item.get(side) or {}, s.rows[0])), None) for side in ("a", "b")]
+            name = " vs ".join(item.get(f"{side}_label") or ", ".join(f"{k}={v}" for k, v in (item.get(side) or {}).items())
+                               for side in ("a", "b"))
+            if pick[0] is not None and pick[1] is not None:
+                comparisons.append(compare_scores(pick[0], pick[1], name))
+    holm(comparisons)
+    first = next((c for c in comparisons if c.name == "best vs runner-up"), None)
+    if first is None and best is not None and runner is not None:
+        first = compare_scores(best, runner, "best vs runner-up")
+    if first is not None:
+        test, p, pairs = first.test, first.p_value, first.pairs
+    return Selection(metric, mode, statistic, best, runner, test, p, pairs, len(scored), baseline, ties, best_ties,
+                     comparisons)
+
+
+def compare_from_params(params: dict) -> list | None:
+    """The spec's ``selection.compare`` read back from the parent run's flattened params
+    (``sweeps.spec.spec_to_flat_params``): ``selection.compare`` as a JSON list of names, or indexed
+    items ``selection.compare.<j>`` / ``selection.compare.<j>.a.<key>``; None when the spec wrote none."""
+    from sweeps.report.data import _typed
+
+    if "selection.compare" in params:
+        value = _typed(params["selection.compare"])
+        return list(value) if isinstance(value, list) else None
+    items: dict[int, object] = {}
+    for key, value in params.items():
+        parts = key.split(".", 4)
+        if len(parts) < 3 or parts[:2] != ["selection", "compare"] or not parts[2].isdigit():
+            continue
+        j = int(parts[2])
+        if len(parts) == 3:
+            items[j] = value
+        elif len(parts) >= 5 and parts[3] in ("a", "b"):
+            item = items.setdefault(j, {})
+            if isinstance(item, dict):
+                item.setdefault(parts[3], {})[parts[4]] = _typed(value)
+    return [items[j] for j in sorted(items)] or None
+
+
+def cfg_nonprivate(row: dict) -> bool:
+    """Whether a console row (``cfg.<key>`` values) is a non-private baseline: ``epsilon: null`` of a
+    trainable whose epsilon is a privacy guarantee (``sweeps.report.data.is_nonprivate``)."""
+    from sweeps.report.data import is_nonprivate
+
+    probe = {"trainable": row.get("trainable"), "epsilon": row.get("epsilon")}
+    if "cfg.epsilon" in row:
+        probe["param.epsilon"] = row["cfg.epsilon"]
+    return is_nonprivate(probe)
+
+
+def applicable(row: dict, keys) -> list:
+    """``keys`` (``cfg.<key>`` or ``param.<key>``) but those a non-private row does not use (its
+    epsilon and ``NONPRIVATE_UNUSED``: it never clips, draws noise nor accounts)."""
+    from sweeps.report.data import NONPRIVATE_UNUSED
+
+    if not cfg_nonprivate(row):
+        return list(keys)
+    return [k for k in keys if k.split(".", 1)[-1] not in NONPRIVATE_UNUSED + ("epsilon",)]
 
 
 def config_key_from_cfg(row: dict) -> tuple:
-    """A console row's configuration: its trainable and every ``cfg.<key>`` but seed and repeat."""
-    return (row.get("trainable"),) + tuple(sorted((k, json.dumps(v, sort_keys=True, default=str))
-                                                  for k, v in row.items()
-                                                  if k.startswith("cfg.") and k not in ("cfg.seed", "cfg.repeat")))
+    """A console row's configuration: its trainable and every ``cfg.<key>`` but seed and repeat (and,
+    for a non-private baseline, but the keys that do not apply to it)."""
+    keys = applicable(row, [k for k in row if k.startswith("cfg.") and k not in ("cfg.seed", "cfg.repeat")])
+    return (row.get("trainable"),) + tuple(sorted((k, json.dumps(row[k], sort_keys=True, default=str)) for k in keys)) \
+        + ((("non-private", True),) if cfg_nonprivate(row) else ())
 
 
 def describe_stats(score: ConfigScore, metric: str) -> str:
@@ -328,10 +516,21 @@ def choose(spec, rows: list[dict]) -> tuple[dict | None, Selection | None]:
     selection = select_configuration(
         rows, metric, mode, statistic,
         config_of=(lambda r: r.get("trial_id")) if private else config_key_from_cfg,
-        seed_of=lambda r: r.get("cfg.seed"), done=lambda r: r.get("status") == "DONE")
+        seed_of=lambda r: r.get("cfg.seed"), done=lambda r: r.get("status") == "DONE",
+        baseline_of=None if private else cfg_nonprivate, best_among=getattr(sel_spec, "best_of", "private"),
+        compare=[c if isinstance(c, str) else {"a": c.a, "b": c.b} for c in getattr(sel_spec, "compare", None) or []]
+        or None, matches=_cfg_matches)
     if private:
         return best_trial(rows, metric, mode), selection
     return (selection.best.rows[0] if selection.best is not None else None), selection
+
+
+def _cfg_matches(where: dict, row: dict) -> bool:
+    """A console row matches ``where`` (a ``selection.compare`` side) by its ``cfg.<key>`` values."""
+    from sweeps.spec.sweep_spec import reference_matches
+
+    config = {"trainable": row.get("trainable"), **{k[len("cfg."):]: v for k, v in row.items() if k.startswith("cfg.")}}
+    return reference_matches(where, config)
 
 
 def record_best(info: dict, spec, rows: list[dict]) -> Best:
@@ -389,9 +588,7 @@ def describe_best(best: Best, shown_keys: list[str] | None = None, n: int | None
     if best.row is None:
         return f"best:     no finished trial has {best.metric}"
     r = best.row
-    keys = [k for k in (shown_keys or []) if k in r and k not in ("cfg.seed", "cfg.repeat")]
-    values = ", ".join(f"{k[len('cfg.'):] if k.startswith('cfg.') else k}={_fmt(r[k])}" for k in keys)
-    where = f" ({values})" if values else ""
+    where = _where(r, shown_keys)
     run = f", run {best.run_id}" if best.run_id else ""
     caveat = selection_caveat(best.private, n if n is not None else 0, best.claims_privacy)
     sel, pad = best.selection, "\n          "
@@ -407,8 +604,15 @@ def describe_best(best: Best, shown_keys: list[str] | None = None, n: int | None
         out = (f"best:     configuration{where or ' ' + str(r.get('trainable', ''))}: "
                f"{describe_stats(b, best.metric)}{chosen} ({best.mode}; trials {ids}{run})")
         if sel.runner_up is not None:
-            out += pad + f"runner-up {describe_stats(sel.runner_up, best.metric)}; {sel.statement()}"
+            out += pad + f"runner-up{_where(sel.runner_up.rows[0], shown_keys)} {describe_stats(sel.runner_up, best.metric)}; {sel.statement()}"
         out += pad + caveat
+    if sel is not None and not best.private:
+        if sel.tie_statement():
+            out += pad + "ties: " + sel.tie_statement()
+        if sel.baseline is not None and sel.baseline is not sel.best:   # a reference, not a contender (issue 51.1)
+            out += pad + sel.baseline_statement()
+        out += "".join(pad + f"{c.name}: {c.summary(best.metric)}" for c in sel.comparisons
+                       if c.name not in ("best vs runner-up", "best vs non-private baseline"))
     if best.private:
         held = r.get(HELD_OUT + best.metric)
         if _finite(held):
@@ -419,6 +623,16 @@ def describe_best(best: Best, shown_keys: list[str] | None = None, n: int | None
         if text:
             out += pad + text + " (the score to quote: selection never read them)"
     return out
+
+
+def _where(row: dict, shown_keys) -> str:
+    """`` (key=value, ...)`` of the shown keys that apply to the row; a non-private baseline is named
+    ``non-private`` and its unused keys (its clipping norm, its delta) are not shown (issue 51.1)."""
+    keys = applicable(row, [k for k in (shown_keys or []) if k in row and k not in ("cfg.seed", "cfg.repeat")])
+    values = ", ".join(f"{k[len('cfg.'):] if k.startswith('cfg.') else k}={_fmt(row[k])}" for k in keys)
+    if cfg_nonprivate(row):
+        values = "non-private" + (", " + values if values else "")
+    return f" ({values})" if values else ""
 
 
 def _fmt(v) -> str:

@@ -156,7 +156,7 @@ def load_sweep(experiment: str, tracking_uri: str, *, parent_run_id: str | None 
         row.update({f"param.{k}": _typed(v) for k, v in run.data.params.items()})
         row.update({k: metric_value(v) for k, v in run.data.metrics.items()})
         rows.append(row)
-    trials = privacy_epsilons_only(pd.DataFrame(rows))
+    trials = unused_keys_missing(privacy_epsilons_only(pd.DataFrame(rows)))
     return Sweep(client, experiment, tracking_uri, parent, trials, artifact_uris=uris)
 
 
@@ -227,6 +227,63 @@ def privacy_epsilons_only(trials):
             trials.loc[fill, new] = trials.loc[fill, old]
             trials.loc[robust, old] = math.nan
     return trials
+
+
+# configured keys a non-private baseline (``epsilon: null``) never uses: it neither clips, nor adds noise,
+# nor accounts (issue 51.1); its trials show them missing, not as the unused default
+NONPRIVATE_UNUSED = ("delta", "max_grad_norm", "accountant", "clipping", "noise_source", "label_delta")
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value)) or value == ""
+
+
+def is_nonprivate(row) -> bool:
+    """Whether a trials row (or an aggregated row) is a non-private baseline: a trainable whose
+    epsilon is a privacy guarantee, run with ``epsilon: null`` (its param missing) or logging an
+    infinite epsilon."""
+    from trainables.registry import REGISTRY
+
+    entry = REGISTRY.get(str(row.get("trainable", "")))
+    if entry is None or not getattr(entry, "privacy_epsilon", True):
+        return False
+    if "epsilon" not in getattr(entry.config_model, "model_fields", {}):
+        return False
+    eps = row.get("epsilon")
+    if isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isinf(eps):
+        return True
+    return "param.epsilon" in row and _missing(row.get("param.epsilon"))
+
+
+def nonprivate_mask(trials):
+    """A boolean Series: which rows of ``trials`` are non-private baselines (``is_nonprivate``)."""
+    import pandas as pd
+
+    if trials.empty:
+        return pd.Series([], dtype=bool, index=trials.index)
+    return pd.Series([is_nonprivate(r) for r in trials.to_dict("records")], index=trials.index, dtype=bool)
+
+
+def private_only(trials):
+    """``trials`` without its non-private baselines (importances, issue 51.3)."""
+    return trials[~nonprivate_mask(trials)] if not trials.empty else trials
+
+
+def unused_keys_missing(trials):
+    """A non-private baseline's keys that do not apply to it (``NONPRIVATE_UNUSED``: it never clips,
+    draws noise nor accounts) set missing: its configuration is named by what applies, and two
+    baselines that differ only in an unused default are one configuration."""
+    if trials.empty:
+        return trials
+    mask = nonprivate_mask(trials)
+    cols = [f"param.{k}" for k in NONPRIVATE_UNUSED if f"param.{k}" in trials]
+    if not mask.any() or not cols:
+        return trials
+    out = trials.copy()
+    for c in cols:
+        out[c] = out[c].astype(object)
+        out.loc[mask, c] = None
+    return out
 
 
 def reference_from_params(params: dict[str, str]) -> dict | None:
@@ -362,7 +419,12 @@ def key_name(column: str) -> str:
 def varying_columns(trials) -> list[str]:
     """The configured parameters that differ between groups (what names a group)."""
     cols = [c for c in config_columns(trials) if c != "param.trainable"]
-    return [c for c in cols if trials[c].map(_key_value).astype(str).nunique() > 1]
+
+    def values(c):   # a key a non-private baseline does not use is missing there, which is no value of it
+        v = trials[c].map(_key_value).astype(str)
+        return v[v != ""] if key_name(c) in NONPRIVATE_UNUSED else v
+
+    return [c for c in cols if values(c).nunique() > 1]
 
 
 def with_groups(trials):
@@ -394,6 +456,9 @@ def group_label(row, varying: list[str] | dict[str, list[str]], exclude=()) -> s
     parts = [str(row.get("trainable", ""))]
     if isinstance(varying, dict):
         varying = varying.get(parts[0], [])
+    if is_nonprivate(row):   # named by what applies (issue 51.1): no epsilon, no clipping norm
+        parts.append("non-private")
+        varying = [c for c in varying if key_name(c) not in NONPRIVATE_UNUSED + ("epsilon",)]
     for c in varying:
         if c in exclude:
             continue

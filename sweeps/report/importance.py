@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 
-from sweeps.report.data import finished, key_name, varying_columns
+from sweeps.report.data import finished, key_name, nonprivate_mask, private_only, varying_columns
+from sweeps.words import counted
 
 MIN_TRIALS = 4   # below this the forest has nothing to fit: no importances
 
@@ -25,14 +26,20 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
 
 
-def parameter_importances(trials, metric: str, mode: str = "max", seed: int = 0) -> tuple[dict[str, float], int]:
+def parameter_importances(trials, metric: str, mode: str = "max", seed: int = 0, *,
+                          private: bool = True) -> tuple[dict[str, float], int]:
     """({swept key: importance}, trials used), importances summing to 1, most important first;
-    ({}, n) with fewer than ``MIN_TRIALS`` finished trials with a finite metric or no swept key."""
+    ({}, n) with fewer than ``MIN_TRIALS`` finished trials with a finite metric or no swept key.
+    ``private``: over the private trials only when the sweep has some (issue 51.3: a non-private
+    baseline adds an epsilon and a clipping norm it does not use, confounding both)."""
     import optuna
     from optuna.distributions import CategoricalDistribution, FloatDistribution
     from optuna.importance import FanovaImportanceEvaluator, get_param_importances
 
     df = finished(trials)
+    if private and not df.empty:
+        own = private_only(df)
+        df = own if len(own) else df
     if df.empty or metric not in df:
         return {}, 0
     df = df[df[metric].map(_number)]
@@ -71,9 +78,15 @@ def importance_section(sweep) -> list[str]:
     if not imp:
         return []
     rows = [f"| `{k}` | {v:.2f} |" for k, v in imp.items()]
+    fin = finished(sweep.trials)
+    base = int(nonprivate_mask(fin).sum()) if not fin.empty else 0
+    which = "finished trials"
+    if base and base < len(fin):
+        which = (f"finished private trials (the {counted(base, 'non-private baseline trial')} left out: the keys that "
+                 "do not apply to a non-private trial are missing there, not values)")
     top = [k for k, v in imp.items() if v >= 0.1][:3] or list(imp)[:1]
     return ["## Which swept key matters", "",
-            f"Importance of each swept key for `{metric}` (`search.metric`) over the {n} finished trials: Optuna's "
+            f"Importance of each swept key for `{metric}` (`search.metric`) over the {n} {which}: Optuna's "
             "fANOVA evaluator (the share of the metric's variance each key's main effect explains; they sum to 1). "
             f"Most of the result is driven by {', '.join(f'`{k}`' for k in top)}. Seeds are not swept keys; with few "
             "trials the estimate is rough.", "", "| swept key | importance |", "|---|---|", *rows, ""]

@@ -543,9 +543,17 @@ def _best_configuration(sweep: Sweep, metric: str, mode: str, params: dict) -> l
     statistic = params.get("selection.statistic") or "mean"
     split = params.get("selection.split") or "none"
     rows = fin.to_dict("records")
+    from sweeps.report.best import compare_from_params
+    from sweeps.report.data import is_nonprivate, trial_config
+    from sweeps.spec.sweep_spec import reference_matches
+
     sel = select_configuration(rows, metric, mode, statistic,
                                config_of=(lambda r: r["run_id"]) if private else (lambda r: r["group"]),
-                               seed_of=lambda r: r.get("param.seed"))
+                               seed_of=lambda r: r.get("param.seed"),
+                               baseline_of=None if private else is_nonprivate,
+                               best_among=params.get("selection.best_of") or "private",
+                               compare=compare_from_params(params),
+                               matches=lambda where, r: reference_matches(where, trial_config(r)))
     agg = aggregate(fin, [])
     labels = dict(zip(agg["group"], agg["label"])) if not agg.empty else {}
     lines: list[str] = []
@@ -580,6 +588,21 @@ def _best_configuration(sweep: Sweep, metric: str, mode: str, params: dict) -> l
     if sel.runner_up is not None:
         lines += ["", f"Runner-up: {labels.get(sel.runner_up.key, '?')}: {describe_stats(sel.runner_up, metric)}. "
                   f"{sel.statement()[0].upper() + sel.statement()[1:]}."]
+    ties = sel.tie_statement()
+    if ties:
+        names = ", ".join(labels.get(t.key, "?") for t in sel.best_ties + sel.ties)
+        lines += ["", f"Ties: {ties} ({names})."]
+    if sel.baseline is not None and sel.baseline is not b:   # a reference, not a contender (issue 51.1)
+        text = sel.baseline_statement(labels.get(sel.baseline.key, ""))
+        lines += ["", f"**Reference: {text[0].upper() + text[1:]}.** The best is chosen among the private "
+                  "configurations (`selection.best_of: private`); the baseline shows what privacy costs."]
+    others = [c for c in sel.comparisons if c.name not in ("best vs runner-up", "best vs non-private baseline")]
+    if others or len([c for c in sel.comparisons if c.test]) > 1:
+        lines += ["", "Comparisons (`selection.compare`; mean difference first minus second with its 95% interval, "
+                  "the paired t-test on matching seeds or Welch's, Holm-adjusted p-values when several are tested):",
+                  ""]
+        lines += [f"* {c.name if c.name.startswith('best') else c.name} ({labels.get(c.a.key, '?')} vs "
+                  f"{labels.get(c.b.key, '?')}): {c.summary(metric)}" for c in sel.comparisons]
     held = describe_held_out(b, metric, split)
     if held:
         lines += ["", f"**Headline: {held}** (`{HELD_OUT}{metric}`): the score to quote, since selection never read "

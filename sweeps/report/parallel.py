@@ -20,8 +20,23 @@ import numpy as np
 from sweeps.report.data import finished, key_name, varying_columns, with_groups
 
 
-def _axis(values: list) -> tuple[np.ndarray, list[float], list[str]]:
-    """Positions in [0, 1] of a column's values, and the ticks (positions, labels) of its axis."""
+def _missing(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v)) or v == ""
+
+
+def _axis(values: list, missing_label: str = "n/a") -> tuple[np.ndarray, list[float], list[str]]:
+    """Positions in [0, 1] of a column's values, and the ticks (positions, labels) of its axis. A
+    missing value (a key that does not apply to a trial: a non-private baseline's epsilon) is not a
+    number of the axis: it sits at the bottom, labelled ``missing_label`` (never "nan"), and the
+    numbers keep their scale above it (issue 51.3)."""
+    gone = [_missing(v) for v in values]
+    if any(gone) and not all(gone):
+        rest = [v for v, g in zip(values, gone) if not g]
+        pos, tpos, tlab = _axis(rest)
+        out, it = np.zeros(len(values)), iter(0.18 + 0.82 * pos)
+        for i, g in enumerate(gone):
+            out[i] = 0.0 if g else next(it)
+        return out, [0.0] + [0.18 + 0.82 * p for p in tpos], [missing_label] + tlab
     nums = []
     for v in values:
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
@@ -59,7 +74,7 @@ def plot_parallel(trials, metric: str, path: Path, best_group=None) -> bool:
     fig, ax = plt.subplots(figsize=(max(4.5, 1.6 * len(cols)), 3.9))
     positions, ticks = [], []
     for c in cols:
-        pos, tpos, tlab = _axis(list(df[c]))
+        pos, tpos, tlab = _axis(list(df[c]), "non-private" if key_name(c) == "epsilon" else "n/a")
         positions.append(pos)
         ticks.append((tpos, tlab))
     ys = np.vstack(positions).T  # one row per trial
@@ -106,8 +121,11 @@ def parallel_figure(sweep, out: Path) -> tuple[str, str, str] | None:
     if metric in (None, "", "null") or sweep.trials.empty or metric not in sweep.trials:
         return None
     rows = finished(with_groups(sweep.trials)).to_dict("records")
+    from sweeps.report.data import is_nonprivate
+
     sel = select_configuration(rows, metric, mode, params.get("selection.statistic") or "mean",
-                               config_of=lambda r: r["group"], seed_of=lambda r: r.get("param.seed"))
+                               config_of=lambda r: r["group"], seed_of=lambda r: r.get("param.seed"),
+                               baseline_of=is_nonprivate, best_among=params.get("selection.best_of") or "private")
     fname = "parallel_coordinates.png"
     if not plot_parallel(sweep.trials, metric, out / fname, sel.best.key if sel.best is not None else None):
         return None

@@ -206,6 +206,14 @@ class ReferenceSection(_Section):
     points: list[ReferencePoint] = Field(min_length=1)
 
 
+class CompareItem(_Section):
+    """Two configurations of ``selection.compare`` named by their configured values (like a
+    ``reference`` point's ``where``: ``{trainable: dpsgd, epsilon: 8, max_grad_norm: 1}``)."""
+
+    a: dict[str, Any] = Field(min_length=1, description="configured values of the first configuration")
+    b: dict[str, Any] = Field(min_length=1, description="configured values of the second configuration")
+
+
 class SelectionSection(_Section):
     """How the sweep's best is chosen and on which images it is scored (issue 34, points 1 and 2;
     docs/specs.md). ``split``: ``none`` (select on the evaluation images, the same ones every metric
@@ -223,6 +231,14 @@ class SelectionSection(_Section):
                                                      "training subset; test_half: default half of the test images)")
     statistic: Literal["mean", "median", "worst"] = Field(
         "mean", description="how a configuration's repeats are summarised when the best configuration is chosen")
+    best_of: Literal["private", "all"] = Field(
+        "private", description="private: the best is the best private configuration and a non-private baseline "
+                               "(epsilon: null) is a reference beside it (what privacy costs); all: it competes")
+    compare: list[Literal["runner_up", "baseline"] | CompareItem] = Field(
+        default_factory=lambda: ["runner_up", "baseline"],
+        description="comparisons the report makes, each with its paired test, p-value (Holm-adjusted when several), "
+                    "effect size and interval: runner_up (best vs runner-up), baseline (best vs the non-private "
+                    "baseline), or {a: {key: value, ...}, b: {...}} (two configurations by their configured values)")
 
 
 
@@ -534,6 +550,25 @@ def _check_selection(spec: SweepSpec) -> None:
         spec.common["selection_split"] = sel.split
         if sel.size is not None:
             spec.common["selection_size"] = sel.size
+
+
+def _check_compare(spec: SweepSpec) -> None:
+    """``selection.compare`` (issue 51.2): on a grid/random sweep each named configuration matches a
+    trial, and ``baseline`` written in the spec needs a non-private trial (``epsilon: null``)."""
+    sel = spec.selection
+    if "compare" not in sel.model_fields_set or spec.search.algorithm == "optuna":
+        return
+    configs = _trials(spec)
+    for j, item in enumerate(sel.compare):
+        if item == "baseline" and not any("epsilon" in c and c["epsilon"] is None for c in configs):
+            raise SpecError(f"selection.compare[{j}]: baseline needs a non-private trial (epsilon: null) in the "
+                            "sweep; add one or remove baseline")
+        if isinstance(item, CompareItem):
+            for side in ("a", "b"):
+                where = getattr(item, side)
+                if not any(reference_matches(where, c) for c in configs):
+                    raise SpecError(f"selection.compare[{j}].{side}: {short_repr(where)} matches no trial of the "
+                                    "sweep (name a configuration by its configured values)")
 
 
 def _check_scheduler(spec: SweepSpec) -> None:
@@ -874,6 +909,7 @@ def validate_spec(raw: dict) -> SweepSpec:
     _check_metrics(spec)
     _check_certify_images(spec)
     _check_reference(spec)
+    _check_compare(spec)
     spec._warnings = _delta_warnings(spec) + _scheduler_warnings(spec) + _model_warnings(spec)
     spec._raw = copy.deepcopy(raw)
     return spec
