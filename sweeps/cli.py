@@ -336,6 +336,8 @@ def _run(args, interrupts, sweep: dict) -> int:
     sweep.update(info=info, exp_dir=exp_dir, total=total)
     info["swept"] = swept_keys(spec, trials)  # names the child runs
     info["candidates"] = spec.tuning_privacy is not None  # the console calls them candidates, not repeats
+    if spec.failure.trial_timeout:   # each attempt's time limit, kept inside the trial (trainables.watchdog)
+        info["trial_timeout"] = float(spec.failure.trial_timeout)
     artifact_warning(info)
     if "://" not in storage:
         from sweeps.secret_store import fingerprint

@@ -112,7 +112,14 @@ def last_failure(trial) -> str:
 
 
 def last_failure_cause(trial) -> str:
-    """The last line of the trial's last failure (``ValueError: lr must be positive``), or ""."""
+    """The last line of the trial's last failure (``ValueError: lr must be positive``), or "". A trial
+    that ran past ``failure.trial_timeout`` and had to end its worker: the time limit, not Ray's "the
+    actor died" (sweeps.watch)."""
+    from sweeps.watch import timed_out
+
+    limit = timed_out(getattr(trial, "trial_id", ""))
+    if limit:
+        return limit
     lines = [x for x in last_failure(trial).splitlines() if x.strip()]
     return lines[-1].strip() if lines else ""
 
@@ -373,7 +380,11 @@ def tracking_down_in(failure: str) -> str | None:
 def callbacks(spec, total: int | None, places: list[tuple[str, str]] = ()) -> list:
     from sweeps.disk import StorageWatch
 
-    out = [ProgressPrinter(total), ForwardInterrupt(), StorageWatch(list(places))]
+    from sweeps.watch import SilenceWatch
+
+    # SilenceWatch first: it notes a trial that timed out before ProgressPrinter prints its failure
+    out = [SilenceWatch(spec.failure.silence_warning, spec.failure.trial_timeout), ProgressPrinter(total),
+           ForwardInterrupt(), StorageWatch(list(places))]
     if not spec.keep_checkpoints:
         out.append(CheckpointCleaner())
     out.append(TrackingWatch())

@@ -16,6 +16,15 @@ import time
 from ray import tune
 
 
+# Ray trial id -> why it failed, for the trials this driver saw run past their time limit: the worker
+# that had to end itself leaves only "the actor died" in Tune's error file (sweeps.runner.last_failure_cause)
+TIMED_OUT: dict[str, str] = {}
+
+
+def timed_out(trial_id: str) -> str | None:
+    return TIMED_OUT.get(trial_id)
+
+
 class SilenceWatch(tune.Callback):
     def __init__(self, silence_s: float = 600.0, timeout_s: float | None = None, clock=time.monotonic):
         self.silence_s = float(silence_s)
@@ -57,6 +66,9 @@ class SilenceWatch(tune.Callback):
     def on_trial_error(self, iteration, trials, trial, **info):
         started = self._started.get(trial.trial_id)
         if self.timeout_s and started is not None and self._clock() - started >= self.timeout_s:
+            from trainables.watchdog import timeout_message
+
+            TIMED_OUT[trial.trial_id] = f"TrialTimeout: {timeout_message(self.timeout_s)}"
             self._say(f"{trial.trial_id} timed out: no end within failure.trial_timeout ({self.timeout_s:g} s); "
                       "its run says so (dpsweep.error)")
 

@@ -29,6 +29,12 @@ GRACE_S = 10.0          # how long a trial has to stop after TrialTimeout was ra
 EXIT_CODE = 70          # the worker's exit status when it had to be ended (EX_SOFTWARE)
 
 
+def timeout_message(limit_s: float) -> str:
+    """Why a trial stopped at its time limit (its run's ``dpsweep.error`` after ``TrialTimeout: ``)."""
+    return (f"the trial ran past failure.trial_timeout ({float(limit_s):g} s) and was stopped (a hung forward "
+            "pass or loader?)")
+
+
 class TrialTimeout(Exception):
     """The trial ran past ``failure.trial_timeout`` (raised asynchronously, as a class: the message is
     the watchdog's, kept on the class)."""
@@ -47,8 +53,7 @@ class TrialWatchdog:
     def __init__(self, limit_s: float, record: Callable[[str], None], close: Callable[[], None],
                  grace_s: float = GRACE_S, exit_fn: Callable[[int], None] = os._exit):
         self.limit_s = float(limit_s)
-        self.message = (f"the trial ran past failure.trial_timeout ({self.limit_s:g} s) and was "
-                        "stopped (a hung forward pass or loader?)")
+        self.message = timeout_message(self.limit_s)
         self._record, self._close, self._grace, self._exit = record, close, grace_s, exit_fn
         self._done = threading.Event()
         self._target = threading.get_ident()
