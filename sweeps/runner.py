@@ -580,6 +580,11 @@ def quiet_ray() -> None:
             logger.addFilter(_RayHintFilter())
     for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # Ray's TensorBoard logger (not dpsweep's output) is handed a non-private baseline's epsilon, inf as
+    # docs/metrics.md says, and tensorboardX warned "NaN or Inf found in input tensor." per such scalar
+    tbx = logging.getLogger("tensorboardX.x2num")
+    if not any(isinstance(f, _RayHintFilter) for f in tbx.filters):
+        tbx.addFilter(_RayHintFilter())
 
 
 class _RayHintFilter:
@@ -588,7 +593,8 @@ class _RayHintFilter:
 
     HINTS = ("Tuner.restore", "TensorBoard", "tensorboard", "has been interrupted", "Wrote the latest version",
              "Trials did not complete", "Stop signal received", "Token authentication is enabled for this Ray cluster",
-             "Failed to fetch metrics")  # of trials an interrupt stopped before their first result
+             "Failed to fetch metrics",  # of trials an interrupt stopped before their first result
+             "NaN or Inf found in input tensor")  # tensorboardX on a non-private epsilon (inf), issue 51.5
 
     def filter(self, record) -> bool:
         msg = record.getMessage()

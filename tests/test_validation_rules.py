@@ -122,12 +122,25 @@ def test_certify_images_without_a_certifier_is_refused():
 
 
 def test_certify_images_in_common_serves_the_trainables_that_certify():
-    raw = _spec({"common.certify_images": 200,
+    raw = _spec({"common.certify_images": 40,
                  "trainables.1": {"name": "pixeldp", "search": {"epsilon": [1.0]}}})
-    validate_spec(raw)  # pixeldp certifies 200 images; dpsgd does not need it
+    validate_spec(raw)  # pixeldp certifies 40 images; dpsgd does not need it
     # but a dpsgd search that sets it itself is still refused
-    raw["trainables"][0]["search"]["certify_images"] = 100
+    raw["trainables"][0]["search"]["certify_images"] = 20
     assert _error(raw).startswith("trainables[0].search.certify_images:")
+
+
+def test_certify_images_beyond_the_evaluation_images_is_refused_not_capped():
+    """issue 51.5: trainables.runtime capped certify_images at the evaluation images without a word."""
+    raw = _spec({"common.certify_images": 40, "trainables.1": {"name": "pixeldp", "search": {"epsilon": [1.0]}}})
+    raw["common"]["test_size"] = 30
+    assert _error(raw) == ("common.certify_images: 40 is more than the 30 evaluation images (test_size); set "
+                           "certify_images to at most 30, or raise test_size")
+    raw["common"]["test_size"] = 60
+    raw["selection"] = {"split": "test_half"}     # both halves are certified: 30 each
+    assert "more than the 30 images of the smaller half of test_half's 60" in _error(raw)
+    raw["common"]["test_size"] = 80
+    validate_spec(raw)
 
 
 def test_shipped_specs_still_validate():

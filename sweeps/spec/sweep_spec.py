@@ -721,6 +721,34 @@ def _check_subset_sizes(spec: SweepSpec) -> None:
                           else f"of {dataset!r}")
                 raise SpecError(f"{where}: {n}{default} is more than the {total} {words} images {source}; "
                                 f"set {key} to at most {total} (or null for all of them)")
+            _check_certify_size(spec, space, c, dataset)
+
+
+def _check_certify_size(spec: SweepSpec, space, c: dict, dataset: str) -> None:
+    """``certify_images`` at most the images each evaluation reads (issue 51.5): ``test_size`` (or the
+    whole test split), or with ``selection.split: test_half`` the smaller of its two parts (both are
+    certified). A written value is refused like every oversized subset, where a certifier runs (it was
+    silently capped); the default, 500, means "up to 500" and certifies all of fewer images."""
+    from dpmech.datasets.splits import split_size
+
+    asked = c.get("certify_images")
+    model = REGISTRY[space.name].config_model if space.name in REGISTRY else None
+    if not asked or model is None or "certify_images" not in model.model_fields:
+        return
+    if not model.certifier_uses(c.get("certifier", "default")):
+        return
+    n = c.get("test_size") or split_size(dataset, "test")
+    limit, words = n, f"the {n} evaluation images (test_size)"
+    if c.get("selection_split") == "test_half":
+        k = c.get("selection_size") or n // 2
+        limit, words = min(k, n - k), f"the {min(k, n - k)} images of the smaller half of test_half's {n} (test_size)"
+    if asked <= limit:
+        return
+    where = _value_path(spec, space, "certify_images", asked)
+    if where is None:   # the default (500): it certifies every evaluation image when there are fewer (docs/specs.md)
+        return
+    raise SpecError(f"{where}: {asked} is more than {words}; set certify_images to at most {limit}, or raise "
+                    "test_size")
 
 
 def _value_path(spec: SweepSpec, space, key: str, value) -> str | None:
