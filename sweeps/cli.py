@@ -70,7 +70,7 @@ def cmd_validate(args) -> int:
     from sweeps.spec import SpecError, expand_trials, load_spec
 
     try:
-        spec = load_spec(args.spec, args.set)
+        spec = load_spec(args.spec, args.set, getattr(args, "only", None))
         n = len(expand_trials(spec)) if spec.search.algorithm != "optuna" else spec.search.num_samples
     except SpecError as exc:
         _err(str(exc))
@@ -230,7 +230,7 @@ def _run(args, interrupts, sweep: dict) -> int:
         overrides = list(args.set)
         if args.name:  # names the sweep (its directory, the parent run) and the MLflow experiment
             overrides += [f"name={json.dumps(args.name)}", f"mlflow.experiment={json.dumps(args.name)}"]
-        spec = load_spec(args.spec, overrides)
+        spec = load_spec(args.spec, overrides, getattr(args, "only", None))
         noise_key = None
         if not args.dry_run:  # the sweep's secret: K, the candidates and every trial's noise (docs/threat_model.md)
             from dpmech.privacy.secret import NoiseKey
@@ -834,6 +834,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a sweep spec")
     run.add_argument("spec")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec value (repeatable)")
+    run.add_argument("--only", action="append", default=[], metavar="TRAINABLE",
+                     help="run only this trainable of a multi-trainable spec (repeatable, or A,B)")
     run.add_argument("--tracking-uri", default=None, help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     run.add_argument("--storage", default=None, help="Ray storage path (local dir, NFS mount or s3://)")
     run.add_argument("--name", default=None, help="experiment name (default: the spec's)")
@@ -849,6 +851,8 @@ def build_parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", help="check a spec")
     val.add_argument("spec")
     val.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    val.add_argument("--only", action="append", default=[], metavar="TRAINABLE",
+                     help="validate only this trainable of a multi-trainable spec (repeatable, or A,B)")
     val.set_defaults(fn=cmd_validate)
 
     mech = sub.add_parser("mechanisms", help="list trainables with their parameters")

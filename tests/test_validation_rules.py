@@ -236,3 +236,22 @@ def test_attack_labels_is_a_parent_param():
     assert spec_to_flat_params(load_spec(ROOT / "sweeps" / "dpal_mnist_fig2.yaml"))["attack_labels"] == "predicted, true"
     both = _spec({"trainables.0.search.attack_labels": ["true", "predicted"]})
     assert spec_to_flat_params(validate_spec(both))["attack_labels"] == "predicted, true"
+
+
+def test_only_keeps_one_trainable_of_a_multi_trainable_spec(capsys):
+    """issue 51.5: `--set` cannot drop a trainable; `--only NAME` chooses (run and validate)."""
+    from sweeps.cli import main
+    from sweeps.spec import SpecError, load_spec
+
+    path = ROOT / "sweeps" / "dp_certified_mnist.yaml"
+    whole = load_spec(path)
+    assert len({t.name for t in whole.trainables}) > 1
+    one = load_spec(path, (), ["pixeldp"])
+    assert {t.name for t in one.trainables} == {"pixeldp"}
+    assert main(["validate", str(path), "--only", "secure_sgd"]) == 0
+    assert "trainables: secure_sgd)" in capsys.readouterr().out
+    assert main(["validate", str(path), "--only", "dpsdg"]) == 2
+    assert "--only: 'dpsdg' is not a trainable of this spec (dpsgd, dpal_sound, secure_sgd, pixeldp) (did you mean " \
+           "'dpsgd'?)" in capsys.readouterr().err
+    with pytest.raises(SpecError):
+        load_spec(path, (), ["nothing"])

@@ -453,8 +453,31 @@ def _unique_mapping(loader: UniqueKeyLoader, node, deep: bool = False):
 UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
-def load_spec(path: str | Path, overrides: Iterable[str] | None = ()) -> SweepSpec:
-    """Read a spec file with ``yaml.safe_load``, apply overrides and validate it."""
+def only_trainables(raw: dict, only: Iterable[str]) -> dict:
+    """The spec keeping only the trainables named in ``only`` (``dpsweep run/validate --only NAME``,
+    issue 51.5: one trainable of a multi-trainable spec without a copy of it); reference points that
+    name a dropped trainable go with it."""
+    names = list(dict.fromkeys(str(t.get("name")) for t in raw.get("trainables") or [] if isinstance(t, dict)))
+    wanted = [n.strip() for item in only for n in str(item).split(",") if n.strip()]
+    for n in wanted:
+        if n not in names:
+            raise SpecError(f"--only: {n!r} is not a trainable of this spec ({', '.join(names)})"
+                            f"{did_you_mean(n, names)}")
+    raw = copy.deepcopy(raw)
+    raw["trainables"] = [t for t in raw["trainables"] if isinstance(t, dict) and str(t.get("name")) in wanted]
+    ref = raw.get("reference")
+    if isinstance(ref, dict) and isinstance(ref.get("points"), list):
+        ref["points"] = [p for p in ref["points"] if not (isinstance(p, dict) and isinstance(p.get("where"), dict)
+                                                          and "trainable" in p["where"]
+                                                          and p["where"]["trainable"] not in wanted)]
+        if not ref["points"]:
+            raw.pop("reference")
+    return raw
+
+
+def load_spec(path: str | Path, overrides: Iterable[str] | None = (), only: Iterable[str] | None = ()) -> SweepSpec:
+    """Read a spec file with ``yaml.safe_load``, apply overrides (and ``only``: the trainables to
+    keep) and validate it."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -477,7 +500,8 @@ def load_spec(path: str | Path, overrides: Iterable[str] | None = ()) -> SweepSp
         raise SpecError(f"{path}: empty spec")
     if not isinstance(raw, dict):
         raise SpecError(f"{path}: must be a mapping of spec keys (name, trainables, ...), got {type(raw).__name__}")
-    return validate_spec(apply_overrides(raw, overrides))
+    raw = apply_overrides(raw, overrides)
+    return validate_spec(only_trainables(raw, only) if only else raw)
 
 
 # --------------------------------------------------------------------------- validation
