@@ -198,9 +198,15 @@ def make_release(experiment: str, out: str | Path, tracking_uri: str, run_id: st
             raise ReleaseRefused(f"released run {child.info.run_id}: has no model/weights.pt artifact") from None
         if Path(path) != tmp / "model" / "weights.pt":
             shutil.move(path, tmp / "model" / "weights.pt")
+        # the candidate's own target epsilon is named for what it is (issue 51.7): guarantee.json's
+        # end-to-end epsilon is the guarantee, not this per-candidate one
+        renamed = {"epsilon": "candidate_epsilon", "delta": "candidate_delta"}
         hyper = {"trainable": trainable,
-                 **{k: _value(v) for k, v in sorted(child.data.params.items())
+                 **{renamed.get(k, k): _value(v) for k, v in sorted(child.data.params.items())
                     if k not in DROPPED_KEYS and not k.startswith(("audit", "source_"))}}
+        if "candidate_epsilon" in hyper:
+            hyper["candidate_epsilon_note"] = ("the released candidate's own target epsilon: not the guarantee; "
+                                               "quote guarantee.json's end-to-end epsilon")
         (tmp / "hyperparameters.json").write_text(json.dumps(hyper, indent=2, default=str) + "\n")
         guarantee = {
             "epsilon": pm.get("tuning_epsilon"),

@@ -113,6 +113,8 @@ def test_secret_sweep_release_bundle_and_replay(tmp_path, ray_local, monkeypatch
     assert set(manifest["files"]) == set(files) - {"MANIFEST.json"} and "K" in manifest["left_out"]
     hyper = json.loads((bundle / "hyperparameters.json").read_text())
     assert not {"seed", "data_seed", "repeat", "noise_source"} & set(hyper)
+    # issue 51.7: the per-candidate epsilon is named so that nobody quotes it as the guarantee
+    assert "epsilon" not in hyper and "candidate_epsilon" in hyper and "not the guarantee" in hyper["candidate_epsilon_note"]
     guarantee = json.loads((bundle / "guarantee.json").read_text())
     assert guarantee["epsilon"] == pytest.approx(parent.data.metrics["tuning_epsilon"]) and guarantee["epsilon"] <= 3.0
     others = [r.info.run_id for r in children if r.info.run_id != child.info.run_id]

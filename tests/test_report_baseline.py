@@ -187,3 +187,19 @@ def test_importances_are_over_the_private_trials_and_the_baseline_epsilon_is_not
     everything, n = parameter_importances(trials, "acc_clean", "max", private=False)
     assert n == 21 and everything["epsilon"] > everything["max_grad_norm"], everything
     assert "nan" not in labels["texts"] and "non-private" in labels["texts"], labels
+
+
+def test_a_sweep_without_privacy_epsilons_does_not_speak_of_the_per_trial_epsilons_above():
+    """issue 51.7: the demo's (PixelDP-only) report said "the per-trial epsilons above do not bound ..."."""
+    from types import SimpleNamespace
+
+    from sweeps.report.page import _privacy_section
+
+    def sweep(trainable, eps):
+        trials = pd.DataFrame({"trainable": [trainable] * 2, "epsilon": [eps] * 2, "status": ["FINISHED"] * 2})
+        parent = SimpleNamespace(data=SimpleNamespace(metrics={}, tags={}, params={}))
+        return SimpleNamespace(parent_metrics={}, parent_tags={}, trials=trials, parent=parent)
+
+    text = "\n".join(_privacy_section(sweep("pixeldp", math.nan)))
+    assert "per-trial epsilons above" not in text and "No trial of these 2 reports a privacy epsilon" in text
+    assert "per-trial epsilons above" in "\n".join(_privacy_section(sweep("dpsgd", 1.0)))   # the control

@@ -276,6 +276,10 @@ def _privacy_section(sweep: Sweep) -> list[str]:
         lines += ["", "One trial, nothing chosen: its own epsilon covers it. A sweep that chooses among trials "
                   "trained on the same private data needs `tuning_privacy` (docs/tuning_privacy.md) for an "
                   "end-to-end guarantee."]
+    elif not eps:   # no trial claims privacy (PixelDP only, or only non-private baselines): no epsilon to bound
+        lines += ["", f"No trial of these {len(trials)} reports a privacy epsilon for its training data, so choosing "
+                  "the best among them is a tuning choice on the evaluation images, not a privacy question; its "
+                  "score is optimistic (chosen on the same images)."]
     else:
         lines += ["", "**The selection among trials is not covered by any privacy guarantee.** Choosing the best "
                   f"of these {len(trials)} trials, trained on the same private data, uses that data again: the "
