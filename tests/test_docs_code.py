@@ -1,5 +1,5 @@
 """The Python blocks of the docs that no other test runs (docs/audit.md, docs/own_model.md,
-docs/specs.md) run as written, each doc's blocks in order in one namespace, from the project root.
+docs/specs.md, docs/mia.md) run as written, each doc's blocks in order in one namespace, from the project root.
 (docs/notebook.md, README.md and docs/adding_a_mechanism.md have tests of their own.)"""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("docs/audit.md", "docs/own_model.md", "docs/specs.md")
+DOCS = ("docs/audit.md", "docs/own_model.md", "docs/specs.md", "docs/mia.md")
 OWN_TESTS = ("docs/notebook.md", "README.md", "docs/adding_a_mechanism.md")
 
 
