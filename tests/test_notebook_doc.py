@@ -38,6 +38,8 @@ def test_notebook_blocks_run_as_written(one_thread, capsys):
     spent = namespace["spent"]   # DP-SGD from a map-style dataset: the ledger's epsilon, within the target
     assert 0 < spent["epsilon"] <= 4.0 and spent["steps"] == 30
     assert namespace["trainer"].accuracy(namespace["x_test"], namespace["y_test"]) > 0.5
+    assert namespace["trained"] is namespace["trainer"].model        # the doc uses the trained model (issue 51.6)
+    assert namespace["private_metrics"]["acc_clean"] > 0.5
 
 def test_public_names_load_without_ray_or_mlflow():
     code = ("import sys, dpmech\n"

@@ -206,3 +206,38 @@ def test_a_dataloader_given_to_dpsgd_warns_once_that_its_batching_is_unused(monk
     text = str(mine[0].message)
     assert "batch_size (7)" in text and "shuffle (True)" in text and "Poisson" in text
     assert mine[0].filename == __file__          # points at the caller's line
+
+
+def test_a_batchnorm_model_given_to_dpsgd_warns_once_that_trainer_model_is_the_trained_copy(one_thread):
+    """Issue 51.6: BatchNorm is replaced by GroupNorm in a copy; the user's own object stays
+    untrained, so the warning names what was replaced and trainer.model; an honest model is quiet."""
+    import dpmech.dpsgd.trainer as tr
+    from dpmech import DPSGDConfig, DPSGDTrainer
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(40, 1, 6, 6, generator=g) * 2 - 1, torch.randint(0, 3, (40,), generator=g)
+    cfg = DPSGDConfig(epsilon=4.0, batch_size=20, epochs=1, seed=0)
+    torch.manual_seed(0)
+    mine = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                               torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 3))
+    before = [p.detach().clone() for p in mine.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = DPSGDTrainer(mine, x, y, cfg)
+        trainer.fit()
+    replaced = [w for w in caught if issubclass(w.category, tr.ModelReplaced)]
+    assert len(replaced) == 1, [str(w.message) for w in caught]
+    text = str(replaced[0].message)
+    assert "1: BatchNorm2d -> GroupNorm" in text and "trainer.model" in text and "untrained" in text
+    assert replaced[0].filename == __file__          # points at the caller's line
+    assert trainer.model is not mine and isinstance(trainer.model[1], torch.nn.GroupNorm)
+    assert all(torch.equal(a, b) for a, b in zip(before, mine.parameters()))   # what the warning says
+
+    honest = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.GroupNorm(2, 4), torch.nn.ReLU(),
+                                 torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert DPSGDTrainer(honest, x, y, cfg).model is honest
+        DPSGDTrainer(tr.build_dpsgd_model("mnist", 0, "tb_cnn_gn"), torch.rand(8, 1, 28, 28) * 2 - 1,
+                     torch.randint(0, 10, (8,)), DPSGDConfig(epsilon=4.0, batch_size=4, epochs=1, seed=0))
+    assert not [w for w in caught if issubclass(w.category, tr.ModelReplaced)]

@@ -313,9 +313,20 @@ def _map_style(source):
     return source, collate
 
 
+class ModelReplaced(UserWarning):
+    """The model given to :class:`DPSGDTrainer` had layers that per-example gradients cannot train
+    (BatchNorm with affine parameters): a copy with them replaced is trained, ``trainer.model``."""
+
+
 class DPSGDTrainer:
     """DP-SGD on in-memory tensors or a map-style dataset (any ``nn.Module`` classifier; see the
-    module docstring)."""
+    module docstring).
+
+    The model trained is ``trainer.model``: the model given, or, when it has layers that
+    per-example gradients cannot train (BatchNorm with affine parameters), a copy of it with them
+    replaced (BatchNorm -> GroupNorm, ``ModuleValidator.fix``; ``model_converted`` names them). The
+    object given then stays untrained, and a :class:`ModelReplaced` warning says so, once per trainer.
+    """
 
     def __init__(self, model: nn.Module, x_train, y_train: torch.Tensor | None = None,
                  config: DPSGDConfig | None = None, *, device: str | torch.device = "cpu",
@@ -349,6 +360,11 @@ class DPSGDTrainer:
         self.model = make_private_compatible(model, (self.x[:1] if self.x is not None else self.collate(
             [self.dataset[0]])[0],) if config.private else None, batch_size=config.batch_size).to(self.device)
         self.model_converted = model_conversion(self.model)
+        if self.model is not model:   # ModuleValidator.fix trained a copy: the user's object stays untrained
+            warnings.warn(f"DPSGDTrainer: the model's layers were replaced by Opacus's ModuleValidator.fix "
+                          f"({self.model_converted}): per-example gradients cannot train them, so a copy is trained; "
+                          f"the trained model is trainer.model, and the model you passed stays untrained (evaluate, "
+                          f"certify and save trainer.model)", ModelReplaced, stacklevel=2)
         self.ledger = PrivacyLedger()
         self.epoch = 0
         self.steps = 0
