@@ -325,7 +325,7 @@ def _run(args, interrupts, sweep: dict) -> int:
 
     try:
         info = start_parent_run(tracking_uri, spec.mlflow.experiment or spec.name, run_name, spec.raw,
-                                spec_to_flat_params(spec))
+                                spec_to_flat_params(spec), planned=total)
     except TrackingFailed as exc:   # nothing ran: the experiment directory (the secret only) goes too
         if secret_path and "://" not in exp_dir:
             import shutil

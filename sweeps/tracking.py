@@ -230,10 +230,13 @@ def bound_mlflow_http() -> None:
         os.environ.setdefault(key, value)
 
 
-def start_parent_run(tracking_uri: str, experiment: str, run_name: str, spec_raw: dict, flat_params: dict) -> dict:
+def start_parent_run(tracking_uri: str, experiment: str, run_name: str, spec_raw: dict, flat_params: dict,
+                     planned: int | None = None) -> dict:
     """Create the parent run; returns the info trials need (``_mlflow`` in their config), with the
     tracking URI made absolute (``absolute_tracking_uri``): ``sqlite:///mlflow.db`` names the
-    database in this process's working directory, for every trial.
+    database in this process's working directory, for every trial. ``planned``: the number of
+    trials the sweep will run, tagged ``dpsweep.trials_planned`` (the report of an interrupted sweep
+    says how many of them finished).
 
     A store that fails part-way raises ``TrackingFailed`` (one line) after setting the run it
     created FAILED where the store still takes that write: no parent run is left RUNNING by a sweep
@@ -248,6 +251,8 @@ def start_parent_run(tracking_uri: str, experiment: str, run_name: str, spec_raw
         exp_id = experiment_id(client, experiment)
         tags = {"mlflow.runName": run_name, "dpsweep.kind": "sweep", "dpsweep.version": project_version(),
                 "dpsweep.git_commit": git_commit(), "mlflow.source.git.commit": git_commit()}
+        if planned is not None:
+            tags["dpsweep.trials_planned"] = str(int(planned))
         run = retry(lambda: client.create_run(exp_id, tags=tags, run_name=run_name), what="create_run")
         run_id = run.info.run_id
         params = [Param(k[:250], str(v)[:6000]) for k, v in sorted(flat_params.items())]

@@ -269,8 +269,9 @@ def _privacy_section(sweep: Sweep) -> list[str]:
                   f"releasing only the best costs **epsilon {m['tuning_epsilon']:.4g} at delta "
                   f"{m.get('tuning_delta', math.nan):.3g} end to end** (Papernot & Steinke 2022, computed with "
                   f"dp-accounting).{rel}{' with ' + ', '.join(score) if score else ''}. The other trials are "
-                  "not covered by that guarantee and must not be published: this report is for the sweep's owner; "
-                  "what may be published is `dpsweep release` (docs/tuning_privacy.md)."]
+                  "not covered by that guarantee and must not be published: this report and its files are for the "
+                  "sweep's owner only, and what may be published is the release bundle that `dpsweep release` "
+                  "writes (below; docs/tuning_privacy.md)."]
         lines += ["", *_owner_only(sweep)]
     elif len(trials) == 1:
         lines += ["", "One trial, nothing chosen: its own epsilon covers it. A sweep that chooses among trials "
@@ -306,6 +307,51 @@ def _owner_only(sweep: Sweep) -> list[str]:
             "**What may be published**: the release bundle, and nothing else of the sweep: "
             f"`dpsweep release {name} --out release/` writes the released trial's model, its hyperparameters, its "
             "score, the end-to-end (epsilon, delta) and the threat model (docs/tuning_privacy.md)."]
+
+
+def _trial_count(part: Sweep) -> str:
+    """"4 trials", or "4 trials (2 finished)" when not all of them finished."""
+    trials = part.trials
+    done = len(finished(trials))
+    return counted(len(trials), "trial") + (f" ({done} finished)" if done < len(trials) else "")
+
+
+def _completion_lines(part: Sweep) -> list[str]:
+    """An unfinished sweep said at the top of the page (issue 51, point 7): how many trials finished of
+    how many (``dpsweep.trials_planned``, or the child runs), the parent run's status and why, and the
+    command that resumes it. Nothing for a finished sweep whose trials all finished."""
+    import re
+    from collections import Counter
+
+    trials, tags = part.trials, part.parent_tags
+    status = part.parent.info.status
+    counts = Counter(trials["status"]) if "status" in trials else Counter()
+    done, started = counts.get("FINISHED", 0), len(trials)
+    try:
+        planned = int(tags.get("dpsweep.trials_planned", ""))
+    except ValueError:
+        planned = None
+    total = max(planned or 0, started)
+    if status == "FINISHED" and done == total:
+        return []
+    others = ", ".join(f"{k} {s}" for s, k in sorted(counts.items()) if s != "FINISHED")
+    unstarted = total - started
+    detail = "; ".join(x for x in (others, f"{unstarted} not started" if unstarted > 0 else "") if x)
+    text = (f"**Unfinished sweep: {done} of {total} trials finished**{f' ({detail})' if detail else ''}; "
+            f"the parent run `{part.parent.info.run_id}` is **{status}**")
+    note = (tags.get("dpsweep.interrupted") if status == "KILLED" else tags.get("dpsweep.error")) or ""
+    found = re.search(r"(\S*dpsweep resume \S+)", note)
+    if note and note != "resumed":   # its resume command (the driver's note) as code
+        note = note.strip().rstrip(".")
+        text += f" ({note.replace(found.group(1), f'`{found.group(1)}`') if found else note})"
+    if status == "RUNNING":
+        text += ": the sweep is still running (or its driver was killed without closing it)"
+    if not found and status in ("KILLED", "FAILED", "RUNNING"):
+        text += (". Resume it with `dpsweep resume <storage>/<run name>` (the sweep's directory under the spec's "
+                 f"`storage`, named `{part.parent.info.run_name}`)")
+    text += (". Every table and figure below, and the best configuration, cover the finished trials only "
+             "(a best chosen among fewer trials than planned).")
+    return [text, ""]
 
 
 def _run_ids(parent_run_id) -> list[str]:
@@ -425,13 +471,17 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
         print(f"dpsweep: note: {_others_text(others)}", file=sys.stderr, flush=True)
     lines = [f"# Sweep report: {experiment}", ""]
     if len(sweep.sweeps) == 1:
-        lines += [f"Parent run `{sweep.parent.info.run_id}` ({sweep.parent.info.run_name}), {counted(len(trials), 'trial')}, "
+        lines += [f"Parent run `{sweep.parent.info.run_id}` ({sweep.parent.info.run_name}), {_trial_count(sweep)}, "
                   f"tracking URI `{tracking_uri}`.", ""]
+        lines += _completion_lines(sweep)
     else:
         lines += [f"{len(sweep.sweeps)} sweeps compared (column `sweep`, a series per sweep in every figure), "
                   f"{counted(len(trials), 'trial')}, tracking URI `{tracking_uri}`:", ""]
-        lines += [f"* `{s.parent.info.run_name}`: parent run `{s.parent.info.run_id}`, {counted(len(s.trials), 'trial')}"
+        lines += [f"* `{s.parent.info.run_name}`: parent run `{s.parent.info.run_id}`, {_trial_count(s)}"
                   for s in sweep.sweeps] + [""]
+        for s in sweep.sweeps:
+            lines += [f"`{s.parent.info.run_name}`: {line}" if line else line
+                      for line in _completion_lines(s)]
     if others:
         text = _others_text(others)
         lines += [text[0].upper() + text[1:] + ".", ""]
