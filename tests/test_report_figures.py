@@ -180,3 +180,32 @@ def test_a_legend_names_a_series_by_what_varies_within_its_trainable():
     assert names == {f"{t} max_grad_norm={m:g}" for t in ("dpsgd", "dpal_sound") for m in (0.1, 1.0)}
     # the table keeps every swept key a row has (its label is the configuration, not a legend entry)
     assert "lr=0.5" in aggregate(df)["label"].iloc[0]
+
+
+def test_pareto_draws_the_non_private_baseline_as_a_labelled_reference_line(tmp_path, monkeypatch):
+    """Issue 51.4: the baseline (infinite epsilon) has no place on the epsilon axis and used to be
+    dropped; it is a horizontal line at its mean score, labelled, inside the fitted y range."""
+    from sweeps.report import plots as rp
+
+    figs = _capture(monkeypatch)
+    base = pd.DataFrame([{"run_id": f"b{s}", "run": f"b{s}", "trainable": "dpsgd", "status": "FINISHED",
+                          "param.seed": s, "param.attack_norm": "linf", "acc_clean": v, "epsilon": float("inf")}
+                         for s, v in enumerate((0.97, 0.98, 0.99))])
+    trials = pd.concat([_trials(), base], ignore_index=True)
+    assert rp.plot_pareto(trials, "acc_clean", tmp_path / "p.png", "clean accuracy")
+    ax = figs["p.png"].axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    line = [t for t in legend if t.startswith("non-private baseline")]
+    assert line == ["non-private baseline: 0.98 ± 0.01 (n=3)"], legend
+    ref = [ln for ln in ax.get_lines() if ln.get_label().startswith("non-private baseline")]
+    assert len(ref) == 1 and ref[0].get_ydata()[0] == pytest.approx(0.98)
+    lo, hi = ax.get_ylim()
+    assert lo < 0.98 < hi and hi < 1.02
+    assert _ticks(ax) == ["1", "3", "8"]              # the baseline adds no epsilon tick
+
+
+def test_a_constant_is_its_value_not_a_rounding_spread():
+    from sweeps.report.data import fmt_stat
+
+    assert fmt_stat(1.0, 1.4e-16, 3) == "1" and fmt_stat(0.0, 1e-20, 3) == "0"
+    assert fmt_stat(0.5, 0.01, 3) == "0.5 ± 0.01" and fmt_stat(0.5, 0.01, 3, of=4) == "0.5 ± 0.01 (3)"

@@ -209,3 +209,25 @@ def test_fig6_layout_keeps_the_other_swept_keys_apart(tmp_path, monkeypatch):
     legend = [t.get_text() for t in figs["fig6.png"].axes[0].get_legend().get_texts()]
     assert len(legend) == 2 and any("max_grad_norm=0.1" in t for t in legend) and any("max_grad_norm=1" in t for t in legend)
     assert (tmp_path / "fig6.pdf").exists()
+
+
+def test_fig6_layout_draws_the_baseline_as_one_series(tmp_path, monkeypatch):
+    """Issue 51.4: a non-private baseline's epsilon (inf, NaN when configured) used to key each of its
+    repeats apart (NaN != NaN): three n=1 series; now one 'non-private (n=3)' line."""
+    import pandas as pd
+
+    from sweeps.report import plots as rp
+    from sweeps.report.data import Sweep
+
+    figs = _capture(monkeypatch)
+    rows, tables = [], {}
+    for i, eps in enumerate((None, None, None, 2.0)):
+        rows.append({"run_id": f"r{i}", "run": f"r{i}", "trainable": "dpsgd", "status": "FINISHED",
+                     "param.epsilon": eps, "param.seed": i, "epsilon": float("inf") if eps is None else eps,
+                     "acc_clean": 0.9})
+        tables[(f"r{i}", "native")] = pd.DataFrame({"label": [1, 2, 3], "prediction": [1, 2, 0],
+                                                   "certified_size": [0.1 * (i + 1), 0.3, 0.0]})
+    sweep = Sweep(None, "e", "sqlite://", None, pd.DataFrame(rows), tables)
+    assert rp.plot_certified_vs_size_by_mechanism(sweep, tmp_path / "fig6.png")
+    legend = [t.get_text() for t in figs["fig6.png"].axes[0].get_legend().get_texts()]
+    assert len(legend) == 2 and sum("non-private" in t and "(n=3)" in t for t in legend) == 1, legend

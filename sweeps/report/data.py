@@ -518,11 +518,13 @@ def aggregate(trials, metrics: list[str] | None = None):
 
 
 def fmt_stat(mean: float, sd: float, n: int, *, of: int | None = None) -> str:
-    """``mean ± sd`` (one trial: the value alone), ``(k)`` appended when only k of the group's
-    ``of`` trials have the metric."""
+    """``mean ± sd`` (one trial, or a constant: the value alone), ``(k)`` appended when only k of
+    the group's ``of`` trials have the metric. An sd that is zero within floating-point rounding
+    (1.4e-16 beside a mean of 1) is a constant, not a spread (issue 51, point 4)."""
     if n == 0 or mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return ""
-    text = f"{mean:.4g}" if n == 1 or not math.isfinite(sd) else f"{mean:.4g} ± {sd:.2g}"
+    constant = not math.isfinite(sd) or sd <= 1e-12 * max(abs(mean), 1.0) if math.isfinite(mean) else True
+    text = f"{mean:.4g}" if n == 1 or constant else f"{mean:.4g} ± {sd:.2g}"
     if of is not None and n != of:
         text += f" ({n})"
     return text

@@ -453,9 +453,11 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
         f"{'Conventional accuracy' if dpal else 'Accuracy'} against attack size ({rp.norms(trials)}, [-1, 1] domain"
         f"{layout(4)})", "fig4_accuracy_vs_attack_size.png")
     if not (native and one_mechanism):  # one mechanism: the same curves as cert_acc_vs_size
-        add(rp.plot_certified_vs_size_by_mechanism(sweep, out / "fig6_certified_vs_attack_size.png", refs),
+        # the DPAL paper's figure number only on a DPAL study; elsewhere named after what it shows (issue 51.4)
+        fig6 = "fig6_certified_vs_attack_size.png" if dpal else "certified_vs_size_by_mechanism.png"
+        add(rp.plot_certified_vs_size_by_mechanism(sweep, out / fig6, refs),
             f"Certified accuracy against attack size by mechanism and epsilon{' (DPAL paper Fig. 6 layout)' if dpal else ''}",
-            "fig6_certified_vs_attack_size.png")
+            fig6)
     for title, fname in _mechanism_figures(trials, out):
         figures.append((title, fname, ""))
     from sweeps.report.samples import sample_grid_figures  # generative trials' sample grids (dpgan, dp_merf)

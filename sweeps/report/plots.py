@@ -292,14 +292,16 @@ def _series(df, agg, exclude=EPSILON_PARAMS) -> list:
 def plot_pareto(trials, metric: str, path: Path, ylabel: str, refs=(), best: dict | None = None) -> bool:
     """Each configuration (mean over its repeats, error bars one sd) as a point (privacy epsilon,
     ``metric``), one series (colour and marker) per value of the other swept keys, each series'
-    front (of the means) as a step line. Only trainables whose epsilon is a privacy guarantee;
-    non-private baselines (infinite epsilon) are left out."""
+    front (of the means) as a step line. Only trainables whose epsilon is a privacy guarantee; a
+    non-private baseline (infinite epsilon) has no place on the axis and is a horizontal reference
+    line at its mean score, labelled "non-private baseline" (what privacy costs: issue 51, point 4)."""
     if trials.empty or "epsilon" not in trials or metric not in trials:
         return False
     df = trials[trials["trainable"].map(_privacy).astype(bool)]
     agg = aggregate(df, ["epsilon", metric])
     if agg.empty:
         return False
+    baselines = agg[~np.isfinite(agg["epsilon"].astype(float)) & np.isfinite(agg[metric].astype(float))]
     agg = agg[np.isfinite(agg["epsilon"].astype(float)) & np.isfinite(agg[metric].astype(float))]
     if agg.empty:
         return False
@@ -313,6 +315,12 @@ def plot_pareto(trials, metric: str, path: Path, ylabel: str, refs=(), best: dic
         ax.step(e[front], a[front], where="post", color=st["color"], lw=1.3, alpha=0.6)
         ax.errorbar(e, a, yerr=_sd(g[f"{metric}.sd"]), xerr=_sd(g["epsilon.sd"]), fmt=st["marker"], color=st["color"],
                     ms=5, capsize=3, lw=1.2, zorder=3, label=series)
+    several = baselines["trainable"].nunique() > 1 if "trainable" in baselines else False
+    for r in baselines.to_dict("records"):
+        score = fmt_stat(r[metric], r.get(f"{metric}.sd", math.nan), int(r.get(f"{metric}.n", r["n"])))
+        ax.axhline(r[metric], color="black", ls=":", lw=1.3, zorder=2,
+                   label=f"non-private baseline{' (' + r['trainable'] + ')' if several else ''}: "
+                         f"{score} (n={int(r['n'])})")
     for r in agg.to_dict("records"):
         if is_best(r, best):
             mark_best(ax, r["epsilon"], r[metric], best)
@@ -589,9 +597,11 @@ def plot_certified_vs_size_by_mechanism(sweep: Sweep, path: Path, refs=()) -> bo
         if rid not in df.index:
             continue
         row = df.loc[rid]
-        eps = float(row["_eps"]) if math.isfinite(_num(row["_eps"])) else math.nan
+        # a non-private trial's epsilon is inf, one key for all of them: NaN (never equal to itself) split
+        # the baseline's repeats into n=1 series (issue 51, point 4)
+        eps = round(float(row["_eps"]), 6) if math.isfinite(_num(row["_eps"])) else math.inf
         other = group_label(row.to_dict(), varying, EPSILON_PARAMS)  # the other swept keys
-        groups.setdefault((other, round(eps, 6), kind), []).append(table)
+        groups.setdefault((other, eps, kind), []).append(table)
     if not groups:
         return False
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=120)
