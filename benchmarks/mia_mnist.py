@@ -89,7 +89,9 @@ _REF_SECONDS: dict = {}
 
 
 def run_unit(row: str, seed: int, *, candidates: int, num_z: int, recipe: dict, references: int) -> dict:
-    from dpmech.privacy.mia import MembershipGame, ReferenceModels, run_attack
+    from dpmech.privacy.mia.attacks import run_attack
+    from dpmech.privacy.mia.game import MembershipGame
+    from dpmech.privacy.mia.references import ReferenceModels
     from dpmech.privacy.secret import NoiseKey
 
     eps = ROWS[row]

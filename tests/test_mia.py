@@ -21,9 +21,10 @@ import torch
 from scipy.stats import beta as beta_dist
 
 from dpmech.privacy.audit.one_run import epsilon_lower_bound
-from dpmech.privacy.mia import (AttackView, MembershipGame, MembershipHidden, ReferenceModels, auc_with_interval,
-                                epsilon_lower_bounds, evaluate_scores, lira_offline, random_guess, reference_key,
-                                rmia_offline, run_attack, tpr_at_fpr)
+from dpmech.privacy.mia.attacks import lira_offline, random_guess, rmia_offline, run_attack
+from dpmech.privacy.mia.game import AttackView, MembershipGame, MembershipHidden
+from dpmech.privacy.mia.metrics import auc_with_interval, epsilon_lower_bounds, evaluate_scores, tpr_at_fpr
+from dpmech.privacy.mia.references import ReferenceModels, reference_key
 from dpmech.privacy.mia.attacks import scaled_logit
 from dpmech.privacy.secret import NoiseKey
 

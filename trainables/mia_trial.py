@@ -164,7 +164,7 @@ class MiaTrial:
 
     def __init__(self, cfg, x, y, device, noise_key, mechanism_cls):
         from dpmech.datasets.splits import load_held_out
-        from dpmech.privacy.mia import MembershipGame
+        from dpmech.privacy.mia.game import MembershipGame
         from dpmech.privacy.mia.references import _row_digests
 
         self.cfg, self.device, self.mechanism_cls = cfg, device, mechanism_cls
@@ -194,7 +194,7 @@ class MiaTrial:
 
     def _mechanism(self, x, y, seed: int):
         from dpmech.privacy.secret import NoiseKey
-        from trainables.runtime import build_mechanism
+        from trainables.build import build_mechanism
 
         rcfg = self.cfg.model_copy(update={"seed": int(seed), "audit": None})
         return build_mechanism(self.mechanism_cls, rcfg, x, y, self.device, NoiseKey.reproducible(int(seed)))
@@ -214,7 +214,8 @@ class MiaTrial:
 
     def run(self, mech, metrics: dict) -> dict[str, float]:
         """The attack on the trained ``mech.model``: the ``mia_*`` metrics (docs/metrics.md)."""
-        from dpmech.privacy.mia import ReferenceModels, run_attack
+        from dpmech.privacy.mia.attacks import run_attack
+        from dpmech.privacy.mia.references import ReferenceModels
 
         s, cfg = self.settings, self.cfg
         recipe = _recipe(cfg)

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 from pydantic import ValidationError
 
+from trainables.build import build_mechanism
 from trainables.config import CommonConfig, selection_images, trial_config
 
 HIDDEN_KEYS = ("_mlflow", "trainable", "repeat")  # repeat: index of a search.num_samples repeat (logged as a param)
@@ -212,9 +213,25 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
 
     ``noise_key``: the sweep's secret (``dpmech.privacy.secret.NoiseKey``, handed over by
     ``tune.with_parameters``); the trial draws from its own key derived from it (``trial_noise_key``).
+    What the trial writes (checkpoints, local MLflow artifacts) is the owner's only: it runs under
+    the owner's umask (trainables.owner_files), and the process's own is given back after it.
 
     Returns nothing: Ray would report a returned dict as one more result, after the final one.
     """
+    from trainables.owner_files import OWNER_UMASK, owner_umask
+
+    try:
+        mask = owner_umask()
+    except ValueError:
+        mask = OWNER_UMASK
+    before = os.umask(mask)
+    try:
+        _run_trial(config, schema, mechanism_cls, trainable, noise_key=noise_key)
+    finally:
+        os.umask(before)
+
+
+def _run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable: str, *, noise_key=None) -> None:
     from ray import tune
 
     from dpmech.datasets.splits import load_splits
@@ -222,12 +239,6 @@ def run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainable
     from trainables.diagnostics import FINAL_DIAGNOSTICS, TAG_DIAGNOSTICS, diagnostic_names, drop, epoch_diagnostics
     from trainables.tracking import TAG_DEVICE, TAG_NOISE, TrialTracker, run_name
 
-    from trainables.owner_files import OWNER_UMASK, owner_umask
-
-    try:   # what this trial writes (checkpoints, local MLflow artifacts) is the owner's only
-        os.umask(owner_umask())
-    except ValueError:
-        os.umask(OWNER_UMASK)
     cfg = validate_config(config, schema)
     info = mlflow_info(config)
     key = trial_key(cfg, trainable, config)
@@ -460,18 +471,6 @@ def trial_key(cfg: CommonConfig, trainable: str, config: dict) -> str:
     text = json.dumps({"identity": _identity_json(cfg, trainable, config), "config": extra}, sort_keys=True,
                       default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def build_mechanism(mechanism_cls, cfg: CommonConfig, x, y, device, noise_key):
-    """``mechanism_cls(cfg, x, y, device, noise_key=...)``; a mechanism whose constructor takes no
-    ``noise_key`` (one written before it existed) is built without it and draws its own."""
-    import inspect
-
-    try:
-        takes_key = "noise_key" in inspect.signature(mechanism_cls).parameters
-    except (TypeError, ValueError):
-        takes_key = False
-    return mechanism_cls(cfg, x, y, device, noise_key=noise_key) if takes_key else mechanism_cls(cfg, x, y, device)
 
 
 def noise_tag(cfg: CommonConfig) -> str:
