@@ -169,14 +169,31 @@ def tuning_summary(spec: "SweepSpec", ran_epsilon: float | None = None) -> dict[
     ``ran_epsilon``: with ``target_epsilon``, the per-trial epsilon the candidates were configured
     with (``ran_trial_epsilon``): the summary is then of what ran, not of a calibration made again
     (a resume re-validates the spec, and a calibration of today's code may land elsewhere)."""
-    from dpmech.privacy.accounting import rdp_epsilon
-    from dpmech.privacy.tuning import tuning_epsilon, worst_case_rdp
+    from trainables.registry import get_trainable
 
     tp = spec.tuning_privacy
     configs = privacy_configs(spec)
     if ran_epsilon is not None:
         configs = [{**c, "epsilon": float(ran_epsilon)} for c in configs]
     delta = tuning_delta(spec, configs)
+    # the same spec validated again (a resume, --dry-run then run, a test's many secrets) reuses it:
+    # the summary is a function of the trainable, its privacy configurations and the tuning section
+    entry = get_trainable(spec.trainables[0].name)
+    memo = json.dumps([entry.name, repr(entry.privacy_event_fn), configs, tp.model_dump(), delta], sort_keys=True,
+                      default=str)
+    if memo not in _SUMMARIES:
+        _SUMMARIES[memo] = _summary(spec, configs, delta)
+    return dict(_SUMMARIES[memo])
+
+
+_SUMMARIES: dict[str, dict[str, float]] = {}
+
+
+def _summary(spec: "SweepSpec", configs: list[dict], delta: float) -> dict[str, float]:
+    from dpmech.privacy.accounting import rdp_epsilon
+    from dpmech.privacy.tuning import tuning_epsilon, worst_case_rdp
+
+    tp = spec.tuning_privacy
     worst = worst_case_rdp(_trial_events(spec, configs))
     return {
         "tuning_mean": float(tp.mean),
