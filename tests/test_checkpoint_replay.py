@@ -274,11 +274,14 @@ def test_label_dp_the_checkpoint_attack_on_lp2st_replays_nothing_without_the_key
     true labels with any key is the release bit for bit (the attacker decides whenever the other
     world's differs); with the secret key neither world's continuation is, and the owner's is."""
     x, y, y2 = _label_neighbours()
-    owner = NoiseKey.fresh()
+    # fixed keys (the standards' fixed seeds): with some owners' keys the stage-1 prior is so sharp that
+    # part 2's release is its top label whatever the key and the label (then both worlds replay it and
+    # nothing is decided either); this owner's release depends on the key, so the test can fail
+    owner = NoiseKey(bytes([3]) * 32)
     ckpt, released = _label_run(x, y, owner)
     assert ckpt["stage"] == 1 and "label_gen" not in ckpt
     assert torch.equal(_label_continue(x, y, ckpt, owner), released)
-    assert _label_replays(ckpt, released, x, y, y2, NoiseKey.fresh) == (False, False)
+    assert _label_replays(ckpt, released, x, y, y2, lambda: NoiseKey(bytes([103]) * 32)) == (False, False)
     # negative controls
     ckpt, released = _label_run(x, y, NoiseKey.reproducible(2))
     assert _label_replays(ckpt, released, x, y, y2, lambda: NoiseKey.reproducible(7))[0]

@@ -204,8 +204,8 @@ def test_report_side_by_side_labels_reference_rows():
                  "acc_clean_smoothed": 0.9, "cert_l2_acc_0.5": 0.5, "cert_linf_acc_0.05": 0.1})
     df = pd.DataFrame(rows)
     text = "\n".join(_dpal_side_by_side(df, [{"point": "p", "metric": "acc_attack_mean_0.2", "published": 0.8959}]))
-    assert f"| DPAL, {REF_PROTOCOL_LABEL} | 2 |  | 0.81 ± 0.014 | 0.7 ± 0 |  |" in text
-    assert "| DPAL faithful | 2 |  | 0.11 ± 0 | 0 ± 0 |  |" in text
+    assert f"| DPAL, {REF_PROTOCOL_LABEL} | 2 |  | 0.81 ± 0.014 | 0.7 |  |" in text
+    assert "| DPAL faithful | 2 |  | 0.11 | 0 |  |" in text
     assert "| dpal_sound | 2 | 0.9 | 0.6 | 0.1 | 0.5 |" in text
     assert "acc_attack_mean_0.2 = 0.8959" in text
     faithful_only = df[(df["trainable"] == "dpal") & (df["param.evaluation"] == "faithful")]
