@@ -19,8 +19,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/dpsweep run sweeps/quickstart.yaml
 
+# two pytest-xdist workers, a test file each at a time (module fixtures such as a test's own Ray stay in
+# one worker); PYTEST_WORKERS=0 runs the suite in one process
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python -m pytest -q --durations=20 $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pixeldp_mnist.py
