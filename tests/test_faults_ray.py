@@ -106,35 +106,31 @@ def test_a_service_that_is_not_ray_is_refused_in_seconds():
             probe_ray(addr, timeout=1)
 
 
-def test_run_against_a_plain_http_server_exits_2_in_one_line_and_writes_nothing(tmp_path):
+def _run_at(tmp_path: Path, name: str, address: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``dpsweep run`` of a one-trial spec with ``RAY_ADDRESS=address``: the process and its error lines."""
     spec = tmp_path / "s.yaml"
     spec.write_text(yaml.safe_dump({
-        "name": "http", "storage": str(tmp_path / "ray_results"),
+        "name": name, "storage": str(tmp_path / "ray_results"),
         "common": {"train_size": 64, "test_size": 32, "certify_images": 0},
         "trainables": [{"name": "pixeldp", "search": {"epochs": 1}}]}))
+    env = {**os.environ, "RAY_ADDRESS": address, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "sweeps.cli", "run", str(spec), "--tracking-uri",
+                           f"sqlite:///{tmp_path}/mlflow.db"], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    return proc, [ln for ln in proc.stderr.splitlines() if ln.startswith("dpsweep: error")]
+
+
+def test_run_against_a_plain_http_server_exits_2_in_one_line_and_writes_nothing(tmp_path):
     with _http_server() as http:
-        env = {**os.environ, "RAY_ADDRESS": http, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.run([sys.executable, "-m", "sweeps.cli", "run", str(spec), "--tracking-uri",
-                               f"sqlite:///{tmp_path}/mlflow.db"], env=env, cwd=tmp_path, capture_output=True,
-                              text=True, timeout=300)
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("dpsweep: error")]
+        proc, errors = _run_at(tmp_path, "http", http)
     assert proc.returncode == 2 and len(errors) == 1 and "is not a Ray cluster" in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.yaml"]     # no experiment, no MLflow store
 
 
 def test_run_with_an_unreachable_cluster_exits_2_and_starts_nothing(tmp_path):
-    spec = tmp_path / "s.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": "nowhere", "storage": str(tmp_path / "ray_results"),
-        "common": {"train_size": 64, "test_size": 32, "certify_images": 0},
-        "trainables": [{"name": "pixeldp", "search": {"epochs": 1}}]}))
-    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{_free_port()}", "PYTHONPATH": str(ROOT)}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "sweeps.cli", "run", str(spec), "--tracking-uri",
-                           f"sqlite:///{tmp_path}/mlflow.db"], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
-    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("dpsweep: error")]
+    proc, errors = _run_at(tmp_path, "nowhere", f"127.0.0.1:{_free_port()}")
     assert proc.returncode == 2 and len(errors) == 1 and "no Ray cluster answers" in errors[0], proc.stderr[-2000:]
     assert time.monotonic() - t0 < 120
     assert not list((tmp_path / "ray_results").glob("nowhere-*"))   # no experiment, no parent run
