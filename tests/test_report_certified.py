@@ -223,7 +223,9 @@ def test_the_report_page_carries_the_section(tmp_path):
     section = text[text.index("## Certified accuracy against l2 radius"):].split("\n## ")[0]
     assert "N 1,000; 10 certified images per model" in section and "| published: DP-CERT |" in section
     row = next(line for line in section.splitlines() if line.startswith("| dpsgd eps 3: noise_augmentation_sigma=1 "))
-    assert "| 30.0 | 30.0 | 30.0 | 0.0 (beyond reach: r_[0,1] <= 1.23 at N 1,000) |" in row and "[best]" in row   # best by smooth_cert_acc_2
+    # the columns: the radius the trials certified at (smooth_cert_acc_2: r_[0,1] 1) and the published point's 0.5
+    assert "| r_[0,1] 0.5 (r_[-1,1] 1) | r_[0,1] 1 (r_[-1,1] 2) |" in section
+    assert row.endswith("| 30.0 | 30.0 |") and "[best]" in row   # best by smooth_cert_acc_2
     assert (out / "certified_radius.png").exists() and (out / "certified_radius.csv").exists()
     assert not (out / "smooth_cert_acc_vs_size.png").exists()
 
@@ -255,3 +257,66 @@ def test_the_legend_stays_clear_of_the_x_label_under_a_long_title(tmp_path, monk
     assert legend.y1 < label.y0 and legend.y0 >= 0          # below the label, inside the saved figure
     old = ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)
     assert Bbox.intersection(old.get_window_extent(renderer), label) is not None      # control
+
+
+def _numbers_sweep(split_rows=()):
+    """Two dpsgd configurations at epsilon 3 (sigma 0.25, two seeds; sigma 0.5, one seed that never learned)
+    that certified at the [-1, 1] sizes 0.25 and 0.5 (certify_sizes), nothing at the literature's radii."""
+    from sweeps.report.data import Sweep
+
+    rows, tables = [], {}
+    for rid, sigma, seed, radii, bad in (("a0", 0.25, 0, [0.3, 0.6, 0.6], 0.0), ("a1", 0.25, 1, [0.6] * 5, 0.0),
+                                          ("b0", 0.5, 0, [0.3], 1.0)):
+        rows.append({"run_id": rid, "run": rid, "trainable": "dpsgd", "status": "FINISHED", **COUNTS,
+                     "param.epsilon": 3.0, "param.noise_augmentation_sigma": sigma, "param.seed": seed,
+                     "epsilon": 3.0, "not_learned": bad, "smooth_cert_acc_0.25": 0.3, "smooth_cert_acc_0.5": 0.2})
+        tables[(rid, "smoothing")] = _table(radii)
+    return Sweep(None, "e", "sqlite://", None, pd.DataFrame(rows), tables)
+
+
+def test_the_table_uses_the_trials_radii_numbers_in_csv_columns_and_flags_a_model_at_chance(tmp_path, monkeypatch):
+    """Issue 51.4: the table's radii are the trials' certify_sizes (not the literature's 0.5 to 2.0, all beyond
+    a sigma_01 0.125 model's reach), the CSV holds numbers in columns (mean, sd, n per radius; not "x ± y" text),
+    a configuration whose model stayed at chance is flagged in the table, the CSV and the figure, and the
+    figure says which images its curves are on under a selection split."""
+    import csv
+
+    from sweeps.report import plots as rp
+    from sweeps.report.certified import certified_radius_section, table_radii01
+    from sweeps.report.page import _md_table
+
+    sweep = _numbers_sweep()
+    assert table_radii01(sweep) == (0.125, 0.25)
+    figs = {}
+    real = rp._save
+    monkeypatch.setattr(rp, "_save", lambda fig, axes, path, **kw: (figs.update({path.name: fig}),
+                                                                    real(fig, axes, path, **kw)))
+    lines, files = certified_radius_section(sweep, [], tmp_path, None, _md_table, split="test_half")
+    text = "\n".join(lines)
+    assert "| r_[0,1] 0.125 (r_[-1,1] 0.25) | r_[0,1] 0.25 (r_[-1,1] 0.5) |" in text
+    assert "r_[0,1] 0.5 " not in text and "beyond reach" not in text
+    # seed 0 certifies 3 of 10 at 0.25 and 2 at 0.5 ([-1, 1]); seed 1 5 and 5
+    a = next(line for line in lines if line.startswith("| dpsgd eps 3: noise_augmentation_sigma=0.25 "))
+    assert "| 40.0 ± 14.1 | 35.0 ± 21.2 |" in a
+    b = next(line for line in lines if line.startswith("| dpsgd eps 3: noise_augmentation_sigma=0.5 "))
+    assert "did not learn: 1/1 at chance" in b
+    assert "selection half" in text and "heldout_smooth_cert_acc" in text
+    with open(tmp_path / "certified_radius.csv") as fh:
+        rows = {r["configuration"]: r for r in csv.DictReader(fh)}
+    c = rows["dpsgd eps 3: noise_augmentation_sigma=0.25"]
+    assert float(c["r01_0.125_mean"]) == 40.0 and abs(float(c["r01_0.125_sd"]) - 14.1421) < 1e-3
+    assert c["r01_0.125_n"] == "2" and c["did_not_learn"] == "0" and c["kind"] == "configuration"
+    assert all("±" not in v for r in rows.values() for v in r.values())       # numbers, not text
+    assert rows["dpsgd eps 3: noise_augmentation_sigma=0.5"]["did_not_learn"] == "1"
+    env = next(r for r in rows.values() if r["kind"] == "envelope")
+    assert float(env["r01_0.125_mean"]) == 40.0 and env["r01_0.125_chosen"] == "noise_augmentation_sigma=0.25"
+    fig = figs["certified_radius.png"]
+    chance = [ln for ln in fig.axes[0].get_lines() if "did not learn" in ln.get_label()]
+    assert len(chance) == 1 and chance[0].get_linestyle() == ":" and chance[0].get_color() == "grey"
+    assert not chance[0].get_label().startswith("_")            # named in the legend
+    assert "selection half" in fig.axes[0].get_title()
+    # control: without the flag the same configuration is drawn as a result
+    sweep.trials["not_learned"] = 0.0
+    certified_radius_section(sweep, [], tmp_path, None, _md_table)
+    assert figs["certified_radius.png"] is not fig
+    assert not any("did not learn" in ln.get_label() for ln in figs["certified_radius.png"].axes[0].get_lines())

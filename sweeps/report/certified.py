@@ -71,6 +71,7 @@ class RadiusCurve:
     n: int = 1                      # repeats averaged
     best: bool = False              # the best configuration by search.metric
     config: dict = field(default_factory=dict)   # key -> value of the keys that vary within the family
+    not_learned: int = 0            # repeats whose model never learned (``not_learned``: accuracy at chance)
 
 
 def protects_short(trainable: str, epsilon: float) -> str:
@@ -167,6 +168,7 @@ def smoothing_groups(sweep: Sweep) -> list[dict]:
             "sigma01": _sigma01(row), "rows": [], "tables": []})
         g["rows"].append(row)
         g["tables"].append(table)
+        g["not_learned"] = g.get("not_learned", 0) + int(as_number(row.get("not_learned")) >= 0.5)
     # a curve's label names what tells it from the other configurations of its family (the legend prefixes
     # the family: trainable and epsilon), or, alone in its family, from the trainable's other configurations;
     # never a key only another trainable varies. The sweep-wide keys stay in ``config`` (table, envelope).
@@ -222,7 +224,8 @@ def radius_curves(sweep: Sweep, best: dict | None = None, points: int = 200) -> 
         sd = acc.std(axis=0, ddof=1) if len(acc) > 1 else None
         first = dict(g["rows"][0])
         curves.append(RadiusCurve(g["label"], g["family"], protects_short(g["trainable"], g["epsilon"]), grid,
-                                  acc.mean(axis=0), sd, len(acc), is_best(first, best), dict(g["config"])))
+                                  acc.mean(axis=0), sd, len(acc), is_best(first, best), dict(g["config"]),
+                                  g.get("not_learned", 0)))
     return curves, _counts(groups)
 
 
@@ -283,11 +286,16 @@ def draw_radius_figure(curves: list[RadiusCurve], path: Path, *, anchors=(), not
         alone = fam not in envs
         for j, c in enumerate(members):
             text = f"{name(fam, c.protects)}: {c.label}" + (f", n={c.n}" if c.n > 1 else "") \
-                + (" [best configuration]" if c.best else "")
+                + (" [best configuration]" if c.best else "") + (f" {not_learned_mark(c.not_learned, c.n)}"
+                                                                  if c.not_learned else "")
             lw = 2.4 if alone else 1.0
-            ax.plot(c.radii01, c.acc, color=st["color"], lw=lw + (1.2 if c.best else 0.0),
-                    ls=("-", "--", ":", "-.")[j % 4] if not alone else "-", alpha=0.95 if alone else 0.5,
-                    label=text if (show_all or alone or c.best) else "_" + text)
+            # a model at chance is drawn grey and dotted, and always named: never read as a result beside
+            # the published points (issue 51.4)
+            ax.plot(c.radii01, c.acc, color="grey" if c.not_learned else st["color"],
+                    lw=lw + (1.2 if c.best else 0.0),
+                    ls=":" if c.not_learned else (("-", "--", ":", "-.")[j % 4] if not alone else "-"),
+                    alpha=0.95 if alone else 0.5,
+                    label=text if (show_all or alone or c.best or c.not_learned) else "_" + text)
             if c.sd is not None:
                 ax.fill_between(c.radii01, c.acc - c.sd, c.acc + c.sd, color=st["color"], alpha=0.1, lw=0)
         if not alone:
@@ -351,94 +359,186 @@ def radius_columns(radii01=RADII_01) -> list[str]:
     return [f"r_[0,1] {r:g} (r_[-1,1] {2 * r:g})" for r in radii01]
 
 
-def radius_table(sweep: Sweep, refs=(), radii01=RADII_01, best: dict | None = None) -> list[dict]:
-    """Certified accuracy (%) at ``radii01`` ([0, 1] domain; the column names say both domains):
-    a row per configuration (mean ± sd over its repeats, n), a row per family's envelope (each
-    cell names the configuration that gives it: a tuning choice on the certified images), and
-    the published anchors of the spec's reference block."""
+def not_learned_mark(k: int, n: int) -> str:
+    """``[did not learn: 1/3 at chance]``: repeats of a configuration whose model never learned."""
+    return f"[did not learn: {k}/{n} at chance]"
+
+
+def table_radii01(sweep: Sweep, refs=()) -> tuple[float, ...]:
+    """The table's radii ([0, 1] domain): the sizes the trials certified at (their ``certify_sizes``, logged
+    as ``smooth_cert_acc_<size>`` in the [-1, 1] domain; 0 left out) and the published points' radii; the
+    literature's ``RADII_01`` when no trial logged a size (issue 51.4: a spec's sigma 0.25 asks for radii the
+    literature's 2.0 is beyond)."""
+    sizes = {float(m.group(1)) / 2.0 for c in sweep.trials.columns if (m := SMOOTH.match(str(c)))}
+    sizes = {round(r, 9) for r in sizes if r > 0}
+    if not sizes:
+        return RADII_01
+    sizes |= {round(x, 9) for _, pts in anchors_from_refs(refs) for x, _ in pts}
+    return tuple(sorted(sizes))
+
+
+def radius_records(sweep: Sweep, refs=(), radii01=RADII_01, best: dict | None = None) -> list[dict]:
+    """The table's numbers: one record per configuration, per family's envelope and per published
+    anchor. Each has ``kind`` (configuration / envelope / published), ``configuration``, ``protects``,
+    ``epsilon`` (measured, the largest of its repeats), ``sigma01``, ``n``, ``counts`` (N and images),
+    ``not_learned`` (repeats at chance) and ``cells``: per radius ``{mean, sd, n, beyond_reach, reach01,
+    chosen}`` (fractions; ``chosen``: the configuration an envelope takes there)."""
     from sweeps.report.plots import is_best
 
     groups = smoothing_groups(sweep)
     if not groups:
         return []
-    cols = radius_columns(radii01)
-    rows, per_family = [], {}
+    records, per_family = [], {}
     for g in groups:
         acc = np.array([certified_accuracy_at(t, "smoothing", [2.0 * r for r in radii01]) for t in g["tables"]])
-        eps = [as_number(r.get("epsilon")) for r in g["rows"]]
-        eps = [e for e in eps if math.isfinite(e)]
-        row = {"configuration": f"{g['family']}: {g['label']}" + (" [best]" if is_best(g["rows"][0], best) else ""),
-               "epsilon protects": protects_short(g["trainable"], g["epsilon"]),
-               "epsilon (measured)": f"{max(eps):.4g}" if eps else "",
-               "sigma_[0,1] (sigma_[-1,1])": f"{g['sigma01']:g} ({2 * g['sigma01']:g})" if math.isfinite(g["sigma01"])
-               else "", "n": len(acc), "N, images": _counts([g]).replace("CERTIFY ", "")}
+        eps = [e for e in (as_number(r.get("epsilon")) for r in g["rows"]) if math.isfinite(e)]
         reach = reach01(g)
-        for j, c in enumerate(cols):
-            if radii01[j] > reach and not acc[:, j].any():   # 0 by construction: say why, not a bare 0
-                row[c] = _beyond(reach, _n_text(g))
-                continue
-            row[c] = _pct(float(acc[:, j].mean())) + (f" ± {100.0 * float(acc[:, j].std(ddof=1)):.1f}"
-                                                      if len(acc) > 1 else "")
-        rows.append(row)
+        cells = []
+        for j, r01 in enumerate(radii01):
+            beyond = bool(r01 > reach and not acc[:, j].any())     # 0 by construction: said, not a bare 0
+            cells.append({"mean": float(acc[:, j].mean()), "sd": float(acc[:, j].std(ddof=1)) if len(acc) > 1
+                          else math.nan, "n": len(acc), "beyond_reach": beyond, "reach01": reach, "chosen": ""})
+        records.append({"kind": "configuration", "configuration": f"{g['family']}: {g['label']}",
+                        "best": is_best(g["rows"][0], best), "trainable": g["trainable"],
+                        "protects": protects_short(g["trainable"], g["epsilon"]),
+                        "epsilon": max(eps) if eps else math.nan, "sigma01": g["sigma01"], "n": len(acc),
+                        "counts": _counts([g]).replace("CERTIFY ", ""), "n_text": _n_text(g),
+                        "not_learned": g.get("not_learned", 0), "cells": cells})
         per_family.setdefault(g["family"], []).append((g, acc.mean(axis=0)))
     for fam, members in per_family.items():
         if len(members) < 2:
             continue
         keys = differing([g for g, _ in members])
-        row = {"configuration": f"{fam}: envelope over {', '.join(keys) or 'configurations'} (best per radius: "
-                                "a tuning choice)",
-               "epsilon protects": protects_short(members[0][0]["trainable"], members[0][0]["epsilon"]),
-               "n": min(len(g["tables"]) for g, _ in members),
-               "N, images": _counts([g for g, _ in members]).replace("CERTIFY ", "")}
         reach = max(reach01(g) for g, _ in members)
-        for j, c in enumerate(cols):
+        cells = []
+        for j, r01 in enumerate(radii01):
             g, acc = max(members, key=lambda m: m[1][j])
-            row[c] = (_beyond(reach, " for every configuration") if radii01[j] > reach and not acc[j]
-                      else f"{_pct(float(acc[j]))} ({g['label']})")
-        rows.append(row)
+            cells.append({"mean": float(acc[j]), "sd": math.nan, "n": len(g["tables"]),
+                          "beyond_reach": bool(r01 > reach and not acc[j]), "reach01": reach, "chosen": g["label"]})
+        records.append({"kind": "envelope", "best": False, "trainable": members[0][0]["trainable"],
+                        "configuration": f"{fam}: envelope over {', '.join(keys) or 'configurations'} (best per "
+                                         "radius: a tuning choice)",
+                        "protects": protects_short(members[0][0]["trainable"], members[0][0]["epsilon"]),
+                        "epsilon": math.nan, "sigma01": math.nan, "n": min(len(g["tables"]) for g, _ in members),
+                        "counts": _counts([g for g, _ in members]).replace("CERTIFY ", ""), "n_text": "",
+                        "not_learned": sum(g.get("not_learned", 0) for g, _ in members), "cells": cells})
     for label, pts in anchors_from_refs(refs):
-        row = {"configuration": f"published: {label}", "epsilon protects": "", "n": "",
-               "N, images": "as published (spec reference)"}
-        for r01, c in zip(radii01, cols):
-            row[c] = next((_pct(y) for x, y in pts if math.isclose(x, r01, rel_tol=1e-9)), "")
+        cells = [{"mean": next((y for x, y in pts if math.isclose(x, r01, rel_tol=1e-9)), math.nan), "sd": math.nan,
+                  "n": math.nan, "beyond_reach": False, "reach01": math.nan, "chosen": ""} for r01 in radii01]
+        records.append({"kind": "published", "best": False, "trainable": "", "configuration": f"published: {label}",
+                        "protects": "", "epsilon": math.nan, "sigma01": math.nan, "n": "",
+                        "counts": "as published (spec reference)", "n_text": "", "not_learned": 0, "cells": cells})
+    return records
+
+
+def radius_table(sweep: Sweep, refs=(), radii01=RADII_01, best: dict | None = None) -> list[dict]:
+    """Certified accuracy (%) at ``radii01`` ([0, 1] domain; the column names say both domains), for
+    the page: a row per configuration (mean ± sd over its repeats, n; one that did not learn flagged), a
+    row per family's envelope (each cell names the configuration that gives it: a tuning choice on the
+    certified images), and the published anchors of the spec's reference block (``radius_records``)."""
+    cols = radius_columns(radii01)
+    rows = []
+    for rec in radius_records(sweep, refs, radii01, best):
+        row = {"configuration": rec["configuration"] + (" [best]" if rec["best"] else ""),
+               "epsilon protects": rec["protects"]}
+        if rec["kind"] == "configuration":
+            row["epsilon (measured)"] = f"{rec['epsilon']:.4g}" if math.isfinite(rec["epsilon"]) else ""
+            row["sigma_[0,1] (sigma_[-1,1])"] = (f"{rec['sigma01']:g} ({2 * rec['sigma01']:g})"
+                                                 if math.isfinite(rec["sigma01"]) else "")
+        row["n"] = rec["n"]
+        row["N, images"] = rec["counts"]
+        if rec["not_learned"]:
+            row["learned"] = "! " + not_learned_mark(rec["not_learned"], rec["n"])[1:-1]
+        for c, cell in zip(cols, rec["cells"]):
+            if rec["kind"] == "published":
+                row[c] = _pct(cell["mean"])
+            elif cell["beyond_reach"]:
+                row[c] = _beyond(cell["reach01"], rec["n_text"] if rec["kind"] == "configuration"
+                                 else " for every configuration")
+            elif rec["kind"] == "envelope":
+                row[c] = f"{_pct(cell['mean'])} ({cell['chosen']})"
+            else:
+                row[c] = _pct(cell["mean"]) + (f" ± {100.0 * cell['sd']:.1f}" if cell["n"] > 1 else "")
         rows.append(row)
     return rows
 
 
+def radius_csv_rows(records: list[dict], radii01=RADII_01) -> list[dict]:
+    """``certified_radius.csv``: numbers in columns (issue 51.4), percentages: per radius
+    ``r01_<r>_mean``, ``_sd``, ``_n`` and ``_beyond_reach`` (CERTIFY cannot certify that far: 0 by
+    construction), and an envelope's ``_chosen`` configuration."""
+    out = []
+    for rec in records:
+        row = {"kind": rec["kind"], "configuration": rec["configuration"], "best": int(bool(rec["best"])),
+               "epsilon_protects": rec["protects"],
+               "epsilon": rec["epsilon"] if math.isfinite(rec["epsilon"]) else "",
+               "sigma_01": rec["sigma01"] if math.isfinite(rec["sigma01"]) else "",
+               "n": rec["n"], "did_not_learn": rec["not_learned"], "certify": rec["counts"]}
+        for r01, cell in zip(radii01, rec["cells"]):
+            k = f"r01_{r01:g}"
+            row[f"{k}_mean"] = round(100.0 * cell["mean"], 4) if math.isfinite(cell["mean"]) else ""
+            row[f"{k}_sd"] = round(100.0 * cell["sd"], 4) if math.isfinite(cell["sd"]) else ""
+            row[f"{k}_n"] = cell["n"] if isinstance(cell["n"], int) else ""
+            row[f"{k}_beyond_reach"] = int(cell["beyond_reach"])
+            if rec["kind"] == "envelope":
+                row[f"{k}_chosen"] = cell["chosen"]
+        out.append(row)
+    return out
+
+
+SPLIT_NOTE = {"test_half": "on the selection half of the test images (the half selection read); the held-out "
+                           "half's figures are the trials' `heldout_smooth_cert_acc_<r>` (best configuration above)",
+              "validation": "on the test images (selection read a validation split of the training images, not "
+                            "these)"}
+
+
 def certified_radius_section(sweep: Sweep, refs, out: Path, best: dict | None = None,
-                             md_table=None) -> tuple[list[str], list[Path]]:
-    """The report's section: the table (also ``certified_radius.csv``) and the figure
-    (``certified_radius.png`` and its PDF); ([], []) when no trial logged a smoothing table."""
+                             md_table=None, split: str = "none") -> tuple[list[str], list[Path]]:
+    """The report's section: the table (also ``certified_radius.csv``, numbers in columns) and the
+    figure (``certified_radius.png`` and its PDF); ([], []) when no trial logged a smoothing table.
+    ``split``: the spec's ``selection.split``, said beside the figure and the table (which images the
+    curves are on)."""
     from sweeps.report.plots import _matches_any
 
     refs = [dict(r, _matched=_matches_any(sweep.trials, r["_where"])) for r in refs]
     curves, note = radius_curves(sweep, best)
     if not curves:
         return [], []
+    where = SPLIT_NOTE.get(split, "")
+    note_where = f"{note}; {where.split(' (')[0]}" if where else note
     fname = "certified_radius.png"
-    draw_radius_figure(curves, out / fname, anchors=anchors_from_refs(refs), note=note,
+    draw_radius_figure(curves, out / fname, anchors=anchors_from_refs(refs), note=note_where,
                        title="Randomized smoothing: certified accuracy against l2 radius")
-    rows = radius_table(sweep, refs, best=best)
+    radii01 = table_radii01(sweep, refs)
+    records = radius_records(sweep, refs, radii01, best)
     import csv
 
+    csv_rows = radius_csv_rows(records, radii01)
     with open(out / "certified_radius.csv", "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in csv_rows for k in r)))
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(csv_rows)
+    rows = radius_table(sweep, refs, radii01, best)
     trainables = list(dict.fromkeys(g["trainable"] for g in smoothing_groups(sweep)))
     protects = "; ".join(p for p in (protects_long(t) for t in trainables) if p)
+    chance = (" A configuration flagged `did not learn` has a repeat whose model stayed at chance accuracy "
+              "(`not_learned`): its curve is grey and dotted, not a result." if any(r["not_learned"] for r in records)
+              else "")
     table = md_table(rows) if md_table else []
     lines = ["## Certified accuracy against l2 radius (randomized smoothing)", "",
-             f"{note}. Radii in the [0, 1] pixel domain (the literature's) with the [-1, 1] radius of dpsweep's "
-             "inputs beside it (twice as large); certified accuracy in %, mean ± sd over each configuration's n "
-             f"repeats. Envelope rows: {TUNING_NOTE}. Published rows: the spec's reference block. {protects}.", "",
+             f"{note}{'; ' + where if where else ''}. Radii in the [0, 1] pixel domain (the literature's) with the "
+             "[-1, 1] radius of dpsweep's inputs beside it (twice as large), at the radii the trials certified "
+             "(`certify_sizes`, halved) and the published points'; certified accuracy in %, mean ± sd over each "
+             f"configuration's n repeats. Envelope rows: {TUNING_NOTE}. Published rows: the spec's reference "
+             f"block. {protects}.{chance}", "",
              *table, "", f"![certified accuracy against l2 radius]({fname})", "",
              f"A thin curve per configuration, a thick one per epsilon: the envelope over the other swept keys "
-             f"({TUNING_NOTE}); black: published. {note}. Vector: "
+             f"({TUNING_NOTE}); black: published. {note_where}. Numbers: "
+             "[certified_radius.csv](certified_radius.csv) (mean, sd and n per radius). Vector: "
              f"[{Path(fname).with_suffix('.pdf').name}]({Path(fname).with_suffix('.pdf').name}).", ""]
     files = [out / fname, (out / fname).with_suffix(".pdf"), out / "certified_radius.csv"]
     return lines, files
 
 
 __all__ = ["RADII_01", "RadiusCurve", "certified_radius_section", "draw_radius_figure", "envelopes",
-           "radius_curves", "radius_table"]
+           "radius_csv_rows", "radius_curves", "radius_records", "radius_table", "table_radii01"]

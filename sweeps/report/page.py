@@ -438,7 +438,8 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
         "configuration (mean over its repeats, band one standard deviation).")
     from sweeps.report.certified import certified_radius_section  # issue 36.3: the literature's figure and table
 
-    radius_lines, radius_files = certified_radius_section(sweep, refs, out, best, _md_table)
+    radius_lines, radius_files = certified_radius_section(sweep, refs, out, best, _md_table,
+                                                          split=params.get("selection.split") or "none")
     files.extend(f for f in radius_files if f.exists())
     if not radius_lines:  # else the certified-radius section draws the smoothing curves
         add(rp.plot_certified_curves(sweep, "smoothing", out / "smooth_cert_acc_vs_size.png", refs, best),
