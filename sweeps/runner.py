@@ -72,6 +72,8 @@ class ProgressPrinter(tune.Callback):
         keys = [k for k in ("acc_clean", "epsilon") if k in r]
         keys += sorted(k for k in r if k.startswith("cert_acc_"))[:3]
         keys += [k for k in ("mia_auc", "mia_tpr_at_fpr_0.001", "mia_eps_lb") if k in r]  # the mia key's attack
+        keys += [k for k in ("label_epsilon", "label_inference_advantage", "label_inference_eps_lb")
+                 if k in r and "label_inference_eps_lb" in r]   # the label_attack key's attack beside its claim
         shown = ", ".join(f"{k} {r[k]:.4f}" for k in keys)
         total = f"/{self.total}" if self.total else ""
         self._say(f"finished {trial.trial_id} [{self.done}{total}] {shown}")

@@ -166,6 +166,18 @@ class CommonConfig(BaseModel):
         refuse_elsewhere(data, cls.__name__)
         return {k: v for k, v in data.items() if k != "mia"}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _label_attack_elsewhere(cls, data):
+        """``label_attack`` on a schema without the field (every trainable but label_dp): refused in one
+        line naming the rule (trainables.label_attack); ``label_attack: null`` is no attack."""
+        if "label_attack" in cls.model_fields or not isinstance(data, dict) or "label_attack" not in data:
+            return data
+        from trainables.label_attack import refuse_elsewhere
+
+        refuse_elsewhere(data, cls.__name__)
+        return {k: v for k, v in data.items() if k != "label_attack"}
+
     @model_validator(mode="after")
     def _bounded_counts(self):
         """Every count of epochs (``epochs``, ``tstr_epochs``, ``stage1_epochs``, ...) at most

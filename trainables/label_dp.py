@@ -82,11 +82,25 @@ class LabelDPTrialConfig(CommonConfig):
     pro_proj_images: int = Field(256, ge=0, description="labeldp_pro: public images whose per-label gradients span "
                                  "the projection (0: the batch's own)")
     certify_images: int = Field(0, ge=0, le=0, description="label DP has no certificate: must be 0")
+    label_attack: dict | None = Field(
+        None, description="label-inference attack on the trial's model (docs/mia.md, 'Label DP in a sweep'): "
+        "{examples: n (default 500), confidence: 0.95}; n training examples' labels are drawn from the uniform prior "
+        "by the trial's secret key before the release, the attacker guesses them from the model's output; logs "
+        "label_inference_advantage and label_inference_eps_lb (against label_epsilon; docs/metrics.md)")
 
     # Label DP protects labels only: a neighbouring dataset that changes an image is not covered,
     # so the membership audit (which inserts whole examples) has no claim to test.
     protects_training_examples: ClassVar[bool] = False
     accepts_custom_dataset: ClassVar[bool] = True
+    supports_label_attack: ClassVar[bool] = True   # the label_attack key (trainables.label_attack)
+
+    @field_validator("label_attack", mode="before")
+    @classmethod
+    def _label_attack(cls, value):
+        """The ``label_attack`` mapping checked and completed with its defaults (trainables.label_attack)."""
+        from trainables.label_attack import parse
+
+        return None if value is None else parse(value)
 
     @field_validator("model")
     @classmethod
@@ -108,6 +122,9 @@ class LabelDPTrialConfig(CommonConfig):
         label_dp_config(self)  # raises ValueError naming the field
         if self.task == "regression" and self.attacks:
             raise ValueError("attacks: adversarial accuracy is defined for task 'classification' only")
+        from trainables.label_attack import check as label_attack_rules
+
+        label_attack_rules(self)
         return self
 
     def smoothing_unavailable(self) -> str | None:

@@ -262,6 +262,11 @@ def _run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainabl
     mia = mia_trial(cfg, x, y, device, tkey, mechanism_cls)
     if mia is not None:
         x, y = mia.training_data()
+    from trainables.label_attack import label_attack_trial  # label_dp: audited labels drawn (docs/mia.md)
+
+    label_attack = label_attack_trial(cfg, x, y, tkey)
+    if label_attack is not None:
+        y = label_attack.training_labels(y)
     mech = build_mechanism(mechanism_cls, cfg, x, y, device, tkey)
     if cfg.certifier != "default":  # refuse before any training or MLflow run
         smoothing_classifier(mech, cfg, trainable)
@@ -338,6 +343,8 @@ def _run_trial(config: dict, schema: type[CommonConfig], mechanism_cls, trainabl
                                               claim=calibrated_epsilon(cfg, final["metrics"])))
         if mia is not None and not diverged:  # the membership attack on the trained model (trainables.mia_trial)
             final["metrics"].update(mia.run(mech, final["metrics"]))
+        if label_attack is not None and not diverged:  # label inference on the trained model (trainables.label_attack)
+            final["metrics"].update(label_attack.run(mech, final["metrics"]))
         # time spent training and evaluating, without logging and checkpointing (all attempts)
         final["metrics"]["compute_seconds"] = meta.get("compute_seconds", 0.0) + time.perf_counter() - t0
         if tracker:
