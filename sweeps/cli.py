@@ -80,6 +80,10 @@ def cmd_validate(args) -> int:
 
     count = "K candidate trials, drawn at run time" if spec.tuning_privacy is not None else counted(n, "trial")
     print(f"{args.spec}: valid ({count}, trainables: {', '.join(t.name for t in spec.trainables)})")
+    if spec.tuning_privacy is not None and spec._tuning_summary is not None:
+        from sweeps.spec.tuning import describe_analyses
+
+        print(describe_analyses(spec._tuning_summary))
     return EXIT_OK
 
 
@@ -202,16 +206,17 @@ def dry_run_listing(trials: list[dict], *, show_all: bool = False) -> str:
     from sweeps.runner import format_table
     from trainables.registry import REGISTRY
 
-    def same(k):
-        return len({json.dumps(t.get(k), sort_keys=True, default=str) for t in trials}) == 1
-
     def default(name, k):
         entry = REGISTRY.get(name)
         field = entry.config_model.model_fields.get(k) if entry is not None else None
         return field.get_default(call_default_factory=True) if field is not None else None
 
+    from sweeps.report.best import varying_within
+
     keys = [k for k in dict.fromkeys(k for t in trials for k in t) if k != "trainable"]
-    swept = [k for k in keys if not same(k)]
+    # swept: two or more values within one trainable's trials; a key whose values only tell trainables apart
+    # (their defaults) is not swept (issue 51.5), and shows under "set" only where a spec moved it
+    swept = varying_within(trials, keys)
     changed = [k for k in keys if k not in swept and any(k in t and t[k] != default(t.get("trainable"), k)
                                                          for t in trials)]
     hidden = [k for k in keys if k not in swept and k not in changed]
@@ -250,7 +255,7 @@ def _run(args, interrupts, sweep: dict) -> int:
     total = len(trials) if spec.search.algorithm != "optuna" else spec.search.num_samples
     tuning = None
     if spec.tuning_privacy is not None:
-        from sweeps.spec.tuning import tuning_summary
+        from sweeps.spec.tuning import describe_analyses, tuning_summary
 
         try:
             tuning = spec._tuning_summary or tuning_summary(spec)
@@ -263,6 +268,7 @@ def _run(args, interrupts, sweep: dict) -> int:
               f"only the best by {spec.search.metric} is "
               f"released; end-to-end epsilon {tuning['tuning_epsilon']:.4g} at delta {tuning['tuning_delta']:.3g} "
               f"(one trial: at most {tuning['trial_epsilon_worst']:.4g})", flush=True)
+        print(describe_analyses(tuning), flush=True)
     from sweeps.words import counted
 
     count = "K candidate trials" if spec.tuning_privacy is not None else counted(total, "trial")
@@ -704,7 +710,7 @@ def _after_fit(results, info: dict, exp_dir: str, tracking_uri: str, spec, total
     released = record_selection(info, spec, rows, tuning)
     if released is not None:
         print(describe_released(spec, released))
-    from sweeps.report.best import describe_best, record_best
+    from sweeps.report.best import describe_best, record_best, varying_within
     from sweeps.words import all_of
 
     from trainables.tracking import TrackingDown
@@ -729,7 +735,7 @@ def _after_fit(results, info: dict, exp_dir: str, tracking_uri: str, spec, total
         print(f"{failed} trial(s) failed after their retries; logs under {exp_dir}")
     if best is not None:
         cfg_keys = dict.fromkeys(k for r in rows for k in r if k.startswith("cfg."))
-        print(describe_best(best, [k for k in cfg_keys if len({str(r.get(k)) for r in rows}) > 1], len(rows)))
+        print(describe_best(best, varying_within(rows, cfg_keys), len(rows)))
     print(f"report:   {_tool('dpsweep')} report {experiment} --tracking-uri {tracking_uri} --out report/")
     print(f"MLflow:   {mlflow_ui_hint(tracking_uri, info['experiment_id'])}")
     if best is not None and best.compare_url:

@@ -115,6 +115,12 @@ def check_releasable(client, parent) -> tuple[dict, object]:
     # MLflow stores an infinite metric as the largest float
     if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps >= sys.float_info.max:
         raise ReleaseRefused(f"sweep {name}: its end-to-end epsilon is not finite ({eps}): no guarantee to release")
+    from sweeps.spec.tuning import epsilon_total_by_analysis
+
+    by = {k: v for k, v in epsilon_total_by_analysis(parent.data.metrics).items() if math.isfinite(v)}
+    if by and not math.isclose(eps, min(by.values()), rel_tol=1e-9):
+        raise ReleaseRefused(f"sweep {name}: its end-to-end epsilon {eps:.6g} is not the smallest of its analyses' "
+                             f"figures ({', '.join(f'{k} {v:.6g}' for k, v in by.items())}): no guarantee to release")
     target = (spec.get("tuning_privacy") or {}).get("target_epsilon")
     if isinstance(target, (int, float)) and eps > target * (1 + 1e-6):
         raise ReleaseRefused(f"sweep {name}: its end-to-end epsilon {eps:.6g} is above the spec's target_epsilon {target:g}")
@@ -208,14 +214,23 @@ def make_release(experiment: str, out: str | Path, tracking_uri: str, run_id: st
             hyper["candidate_epsilon_note"] = ("the released candidate's own target epsilon: not the guarantee; "
                                                "quote guarantee.json's end-to-end epsilon")
         (tmp / "hyperparameters.json").write_text(json.dumps(hyper, indent=2, default=str) + "\n")
+        from sweeps.spec.tuning import charged_analysis_name, epsilon_total_by_analysis
+
+        analysis = charged_analysis_name(pm)
         guarantee = {
             "epsilon": pm.get("tuning_epsilon"),
             "delta": pm.get("tuning_delta"),
+            # the analysis the epsilon is charged under: the smallest of the sound ones that apply
+            # (docs/tuning_privacy.md), each one's figure beside it
+            "analysis": analysis,
+            "epsilon_total_by_analysis": epsilon_total_by_analysis(pm),
             "protects": entry.epsilon_protects if entry else "training examples",
             "accounting": {
-                "method": "private hyperparameter selection (Papernot & Steinke 2022, Thm. 2): the best of K "
-                          "candidates, K random and unobserved; per-candidate RDP curves, worst case over the search "
-                          "space (dp-accounting)",
+                "method": "private hyperparameter selection (Papernot & Steinke 2022, Thms. 2 and 6): the best of K "
+                          "candidates, K random and unobserved; per-candidate RDP curves "
+                          + ("of the candidate as drawn (a mixture over the search space's privacy configurations)"
+                             if analysis == "papernot_steinke_mixture" else "worst case over the search space")
+                          + " (dp-accounting)",
                 "distribution": tp.get("distribution"), "mean": tp.get("mean"), "shape": tp.get("shape"),
                 "candidate_epsilon_worst": pm.get("trial_epsilon_worst"),
                 "candidate_delta": _value(child.data.params.get("delta", "null")),

@@ -57,8 +57,6 @@ def mixture_rdp(curves, weights=None) -> np.ndarray:
     w = np.full(curves.shape[0], 1.0 / curves.shape[0]) if weights is None else np.asarray(weights, dtype=np.float64)
     if w.shape != (curves.shape[0],) or (w < 0).any() or not math.isclose(float(w.sum()), 1.0, rel_tol=1e-9):
         raise ValueError("weights: one non-negative weight per configuration, summing to 1")
-    if (curves < 0).any():
-        raise ValueError("curves: an RDP curve is non-negative")
     keep = w > 0
     curves, w = curves[keep], w[keep]
     orders = np.asarray(RDP_ORDERS, dtype=np.float64)

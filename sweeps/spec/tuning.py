@@ -14,9 +14,12 @@ Under ``tuning_privacy: {distribution, mean, shape, delta}`` a sweep is Papernot
   results, which the guarantee does not cover;
 * only the best trial (by ``search.metric``/``search.mode``) is released: the parent run records
   its score, its model and a pointer to it; the other trials are working state;
-* the end-to-end (epsilon, delta) comes from the order-wise worst RDP curve over every
-  configuration the search could draw (``dpmech.privacy.tuning.worst_case_rdp``), so privacy-relevant
-  keys (the trainable's ``privacy_keys``) may be fixed or drawn from a finite ``choice`` only.
+* the end-to-end (epsilon, delta) comes from the RDP curves of every configuration the search
+  could draw, so privacy-relevant keys (the trainable's ``privacy_keys``) may be fixed or drawn from
+  a finite ``choice`` only; it is computed under each analysis that applies
+  (``dpmech.privacy.tuning_analyses``: Papernot & Steinke on the order-wise worst curve, and on
+  the curve of the candidate as drawn, a mixture) and the smallest is charged (``tuning_epsilon``,
+  with ``tuning_epsilon_<analysis>`` beside it).
 
 This module checks the spec and computes the numbers; it does not import Ray or MLflow.
 """
@@ -190,20 +193,55 @@ _SUMMARIES: dict[str, dict[str, float]] = {}
 
 
 def _summary(spec: "SweepSpec", configs: list[dict], delta: float) -> dict[str, float]:
-    from dpmech.privacy.accounting import rdp_epsilon
-    from dpmech.privacy.tuning import tuning_epsilon, worst_case_rdp
+    from dpmech.privacy.accounting import rdp_curve, rdp_epsilon
+    from dpmech.privacy.tuning_analyses import charged_analysis, epsilon_total_by_analysis
 
     tp = spec.tuning_privacy
-    worst = worst_case_rdp(_trial_events(spec, configs))
+    curves = np.stack([rdp_curve(e) for e in _trial_events(spec, configs)])
+    by = epsilon_total_by_analysis(curves, delta, tp.distribution, tp.mean, tp.shape)
+    _, charged = charged_analysis(by)
     return {
         "tuning_mean": float(tp.mean),
         "tuning_delta": float(delta),
-        "trial_epsilon_worst": rdp_epsilon(worst, delta),
-        "tuning_epsilon": tuning_epsilon(worst, delta, tp.distribution, tp.mean, tp.shape),
+        "trial_epsilon_worst": rdp_epsilon(curves.max(axis=0), delta),
+        # the charged guarantee: the smallest end-to-end epsilon among the sound analyses that apply
+        "tuning_epsilon": charged,
+        **{f"{ANALYSIS_PREFIX}{name}": float(eps) for name, eps in by.items()},
         "tuning_configs": float(len(configs)),
         **({"tuning_target_epsilon": float(tp.target_epsilon), "trial_epsilon_calibrated": float(configs[0]["epsilon"])}
            if tp.target_epsilon is not None else {}),
     }
+
+
+# the summary's (and the parent run's metrics') key of the end-to-end epsilon under one analysis
+ANALYSIS_PREFIX = "tuning_epsilon_"
+
+
+def epsilon_total_by_analysis(summary: dict) -> dict[str, float]:
+    """``{analysis: end-to-end epsilon}`` of a tuning summary or of a parent run's metrics (the
+    ``tuning_epsilon_<analysis>`` keys); a sweep recorded before issue 54 has only
+    ``tuning_epsilon``, Papernot & Steinke's."""
+    from dpmech.privacy.tuning_analyses import ANALYSES, PAPERNOT_STEINKE
+
+    by = {a: float(summary[ANALYSIS_PREFIX + a]) for a in ANALYSES if ANALYSIS_PREFIX + a in summary}
+    if not by and "tuning_epsilon" in summary:
+        by = {PAPERNOT_STEINKE: float(summary["tuning_epsilon"])}
+    return by
+
+
+def describe_analyses(summary: dict) -> str:
+    """One line: the end-to-end epsilon under each analysis that applies, and the one charged."""
+    by = epsilon_total_by_analysis(summary)
+    each = ", ".join(f"{name} {eps:.4g}" for name, eps in by.items())
+    return (f"end-to-end epsilon by analysis at delta {summary.get('tuning_delta', math.nan):.3g}: {each}; "
+            f"charged: {charged_analysis_name(summary)} (the smallest; docs/tuning_privacy.md)")
+
+
+def charged_analysis_name(summary: dict) -> str:
+    """The analysis a summary's (or a parent run's) ``tuning_epsilon`` is charged under."""
+    from dpmech.privacy.tuning_analyses import charged_analysis
+
+    return charged_analysis(epsilon_total_by_analysis(summary))[0]
 
 
 def check_tuning_guarantee(spec: "SweepSpec") -> dict[str, float]:
@@ -217,8 +255,9 @@ def check_tuning_guarantee(spec: "SweepSpec") -> dict[str, float]:
 
 
 def refuse_guarantee(summary: dict, target: float | None, rtol: float = 1e-6) -> None:
-    """SpecError naming the rule when ``summary``'s end-to-end epsilon is not finite or exceeds
-    ``target`` (by more than ``rtol``, the calibration's rounding)."""
+    """SpecError naming the rule when ``summary``'s end-to-end epsilon (the charged one, the smallest
+    among the analyses that apply) is not finite or exceeds ``target`` (by more than ``rtol``, the
+    calibration's rounding)."""
     eps = summary.get("tuning_epsilon")
     where = "tuning_privacy"
     if not isinstance(eps, (int, float)) or not math.isfinite(eps):
@@ -226,7 +265,8 @@ def refuse_guarantee(summary: dict, target: float | None, rtol: float = 1e-6) ->
                         "infinite at every order the accountant converges on; add noise (a smaller epsilon, a larger "
                         "training set or fewer steps) or a smaller tuning_privacy.mean")
     if target is not None and eps > target * (1 + rtol):
-        raise SpecError(f"{where}.target_epsilon: the end-to-end epsilon {eps:.6g} is above the target {target:g}")
+        raise SpecError(f"{where}.target_epsilon: the end-to-end epsilon {eps:.6g} is above the target {target:g} "
+                        f"(charged under {charged_analysis_name(summary)}, the smallest of the analyses that apply)")
 
 
 def ran_trial_epsilon(spec: "SweepSpec", rows: list[dict]) -> float | None:
@@ -270,21 +310,24 @@ def _trial_events(spec: "SweepSpec", configs: list[dict], epsilon: float | None 
 
 def end_to_end_epsilon(spec: "SweepSpec", trial_epsilon: float) -> float:
     """End-to-end epsilon of the spec's tuning when every trial runs at ``trial_epsilon`` (e.g. the
-    epsilon its trials logged), the worst case over the search space's privacy configurations."""
+    epsilon its trials logged): the charged one (the smallest among the analyses that apply,
+    ``dpmech.privacy.tuning_analyses``) over the search space's privacy configurations."""
     configs = privacy_configs(spec)
     return _tuning_epsilon_at(spec, configs, trial_epsilon, tuning_delta(spec, configs))
 
 
 def _tuning_epsilon_at(spec: "SweepSpec", configs: list[dict], trial_epsilon: float, delta: float,
                        fast: bool = False) -> float:
-    """End-to-end epsilon when every configuration of ``configs`` targets ``trial_epsilon``
+    """Charged end-to-end epsilon (the smallest sound analysis) when every configuration of
+    ``configs`` targets ``trial_epsilon``
     (``fast``: the trials' RDP curves vectorised, for the calibration's search; its answer is checked
     with the exact ones)."""
-    from dpmech.privacy.tuning import tuning_epsilon, worst_case_rdp
+    from dpmech.privacy.accounting import rdp_curve
+    from dpmech.privacy.tuning_analyses import charged_analysis, epsilon_total_by_analysis
 
     tp = spec.tuning_privacy
-    worst = worst_case_rdp(_trial_events(spec, configs, trial_epsilon), fast=fast)
-    return tuning_epsilon(worst, delta, tp.distribution, tp.mean, tp.shape)
+    curves = np.stack([rdp_curve(e, fast=fast) for e in _trial_events(spec, configs, trial_epsilon)])
+    return charged_analysis(epsilon_total_by_analysis(curves, delta, tp.distribution, tp.mean, tp.shape))[1]
 
 
 _CALIBRATED: dict[str, float] = {}   # one calibration per spec and process (validation runs it again on resume)
@@ -377,11 +420,14 @@ def _solve_trial_epsilon(spec: "SweepSpec", configs: list[dict], delta: float, r
 
 def calibrate_to_target(spec: "SweepSpec", rtol: float = 1e-3) -> float:
     """``tuning_privacy.target_epsilon``: the largest per-trial epsilon e (to ``rtol``) whose
-    end-to-end epsilon, the worst case over the search space's privacy configurations, is at most
+    charged end-to-end epsilon (the smallest of the sound analyses that apply, over the search
+    space's privacy configurations: ``tuning_summary``'s ``tuning_epsilon``) is at most
     the target; the trainable's ``epsilon`` is set to e (a fixed value, so every trial calibrates its
     noise to it; the caller, ``sweeps.spec``, rebuilds the spaces). The end-to-end epsilon grows with e (each configuration's
-    noise falls, its RDP curve rises order-wise, and Papernot & Steinke's bound is monotone in the
+    noise falls, its RDP curve rises order-wise, so do their maximum and their mixture, Papernot &
+    Steinke's bound is monotone in the curve, and so is the smaller of two such bounds, in the
     curve), so a root finder on log e finds it. Returns e."""
+    from dpmech.privacy.tuning_analyses import ANALYSES
     from trainables.registry import get_trainable
 
     tp = spec.tuning_privacy
@@ -394,7 +440,9 @@ def calibrate_to_target(spec: "SweepSpec", rtol: float = 1e-3) -> float:
                         "calibrated from the target; leave it unset")
     configs = privacy_configs(spec)
     delta = tuning_delta(spec, configs)
-    key = json.dumps([t.name, configs, tp.model_dump(), delta, rtol], sort_keys=True, default=str)
+    # the analyses charged are part of the key: a value calibrated under fewer is sound but not the largest
+    key = json.dumps([t.name, configs, tp.model_dump(), delta, rtol, {"charged": list(ANALYSES)}], sort_keys=True,
+                     default=str)
     if key not in _CALIBRATED:
         path, e = _cached(key)
         # a cached value is checked once (one evaluation): it must still land at or below the target
