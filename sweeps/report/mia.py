@@ -2,7 +2,8 @@
 with the ``mia`` key, its attack's AUC and TPR at low FPR and the epsilon lower bound the attack
 implies, beside the trial's claim (its epsilon) and, where it was audited, the audit's one-run bound;
 a table per (mechanism, attack, epsilon) -- means over the configuration's trials -- and a figure
-against epsilon per mechanism.
+against epsilon per mechanism; and the ``label_attack`` key's label-inference table (label_dp trials:
+advantage and the label epsilon the guesses refute, beside the trial's label epsilon).
 
 An attack's figures and an audit's bound are lower bounds on what leaks; epsilon is an upper bound.
 A bound above the claim refutes it; below it, it proves nothing.
@@ -85,11 +86,66 @@ def _fmt(row: dict) -> dict:
     return out
 
 
-def section_lines(trials, md_table) -> list[str]:
-    """The report's "Membership inference" section (``md_table`` renders rows); [] without attacks."""
-    rows = mia_rows(trials)
+def label_rows(trials) -> list[dict]:
+    """The ``label_attack`` key's trials (label_dp): one row per (mechanism, label epsilon), the means of
+    the label-inference figures beside the claim (the trial's ``label_epsilon``)."""
+    if "label_inference_eps_lb" not in trials or not trials["label_inference_eps_lb"].notna().any():
+        return []
+    groups: dict[tuple, list] = {}
+    for _, r in trials[trials["label_inference_eps_lb"].notna()].iterrows():
+        eps = _num(r.get("label_epsilon"))
+        key = (str(r.get("trainable", "")), str(r.get("param.mechanism", "?")),
+               round(eps, 3) if math.isfinite(eps) else math.inf)
+        groups.setdefault(key, []).append(r)
+    out = []
+    for (trainable, mechanism, eps), rs in sorted(groups.items(), key=lambda kv: kv[0]):
+        def mean(col):
+            vals = [v for v in (_num(r.get(col)) for r in rs) if math.isfinite(v)]
+            return sum(vals) / len(vals) if vals else math.nan
+
+        refuted = any(_num(r.get("label_inference_eps_lb")) > _num(r.get("label_epsilon")) for r in rs)
+        out.append({"mechanism": f"{trainable} {mechanism}", "label epsilon (claim)": eps, "trials": len(rs),
+                    "attack accuracy": mean("label_inference_accuracy"),
+                    "prior accuracy": mean("label_inference_prior_accuracy"),
+                    "advantage": mean("label_inference_advantage"), "attack eps_lb": mean("label_inference_eps_lb"),
+                    "examples": mean("label_inference_examples"),
+                    "consistent": "**NO**" if refuted else "yes"})
+    return out
+
+
+def _fmt_label(row: dict) -> dict:
+    out = {}
+    for k, v in row.items():
+        if k == "label epsilon (claim)":
+            out[k] = NON_PRIVATE if math.isinf(v) else f"{v:g}"
+        elif isinstance(v, float):
+            out[k] = "" if not math.isfinite(v) else (f"{v:.0f}" if k == "examples" else f"{v:.3f}")
+        else:
+            out[k] = v
+    return out
+
+
+def _label_lines(trials, md_table) -> list[str]:
+    rows = label_rows(trials)
     if not rows:
         return []
+    return ["", "### Label inference: attack beside the label epsilon", "",
+            "Each label_dp trial with the `label_attack` key was attacked after training (docs/mia.md, \"Label DP in a "
+            "sweep\"): the labels of its audited training examples were drawn from the uniform prior by the trial's "
+            "secret key before the release; the attacker guessed each from the model's output. Advantage: the "
+            "attack's accuracy minus the prior's (1/K). `attack eps_lb`: the label epsilon the guesses refute at the "
+            "attack's confidence (Kalemaj et al.'s label-inference audit with a known prior), beside the claim, the "
+            "trial's label epsilon (labels only: nothing here is about images or membership). A bound above the "
+            "claim refutes it (\"consistent\": NO); below it, it proves nothing.", "",
+            *md_table([_fmt_label(r) for r in rows])]
+
+
+def section_lines(trials, md_table) -> list[str]:
+    """The report's "Membership inference" section (``md_table`` renders rows), with the label-inference
+    table of ``label_attack`` trials; [] without attacks."""
+    rows = mia_rows(trials)
+    if not rows:
+        return _label_lines(trials, md_table)
     return ["", "### Membership inference: attack beside audit and claim", "",
             "Each trial with the `mia` key was attacked after training (docs/mia.md): a pool of candidates, each "
             "in its training set by a secret fair coin; offline RMIA or LiRA with reference models trained on "
@@ -98,7 +154,7 @@ def section_lines(trials, md_table) -> list[str]:
             "the claim (the trial's epsilon) and the white-box audit's bound (`audit_epsilon_lb`) where the trial "
             "was audited. Means over the trials of each row. Every figure here is a lower bound on what leaks, "
             "epsilon an upper bound: a bound above the claim refutes it (\"consistent\": NO); below it, it proves "
-            "nothing.", "", *md_table([_fmt(r) for r in rows])]
+            "nothing.", "", *md_table([_fmt(r) for r in rows]), *_label_lines(trials, md_table)]
 
 
 def plot_membership_inference(trials, path: Path) -> bool:
