@@ -12,7 +12,8 @@ headline reports. (Reporting the selected candidate's own score would count the 
 
 Writes ``tuned.eps_3`` and ``tuned.eps_1`` into benchmarks/results/dpsgd_tuned.json (a row collected
 alone leaves the other as it is): {acc, acc_selection, epsilon_total, trial_epsilon, expected_candidates,
-distribution, released_config, untuned, published}: what the guarantee covers (the released model, its
+distribution, released_config, untuned, published, epsilon_total_by_analysis, trial_epsilon_by_analysis}:
+what the guarantee covers (the released model, its
 hyperparameters without seeds, its score), nothing else. K and the other candidates' scores are printed
 for the owner only (docs/tuning_privacy.md: the bound assumes K unobserved). ``untuned`` is read from
 benchmarks/results/dpsgd_mnist_full.json (``scatternet``).
@@ -20,6 +21,7 @@ benchmarks/results/dpsgd_mnist_full.json (``scatternet``).
     python benchmarks/dpsgd_tuned.py                 # run both sweeps (about an hour on 2 cores), then collect
     python benchmarks/dpsgd_tuned.py --rows eps_3 --collect-only
     python benchmarks/dpsgd_tuned.py --docs          # only docs/dpsgd.md's table, from the results file
+    python benchmarks/dpsgd_tuned.py --accounting    # only epsilon_total_by_analysis (no training, a minute)
 """
 
 from __future__ import annotations
@@ -166,6 +168,52 @@ def collect(row: str) -> dict:
     return out
 
 
+def accounting(row: str, ran_trial_epsilon: float | None) -> dict:
+    """What each analysis charges (issue 54.2; docs/tuning_privacy.md), accounting only, no training:
+    ``epsilon_total_by_analysis``, the end-to-end epsilon of the same release (every candidate at the
+    per-trial epsilon the recorded sweep ran at, else at today's calibration) under each analysis
+    that applies to the spec; ``trial_epsilon_by_analysis``, the per-trial epsilon that lands on the
+    spec's target under each alone (the charged one is what ``target_epsilon`` calibrates to today)."""
+    import math
+
+    from scipy.optimize import brentq
+
+    from sweeps.spec import load_spec
+    from sweeps.spec.tuning import epsilon_by_analysis_at
+
+    spec = load_spec(str(SPECS[row]))
+    today = float(spec.trainables[0].search["epsilon"])          # the charged calibration of today's code
+    e = ran_trial_epsilon if ran_trial_epsilon is not None else today
+    by = epsilon_by_analysis_at(spec, e)
+    target = spec.tuning_privacy.target_epsilon
+    per_trial = {}
+    for name in by:
+        def gap(log_e: float) -> float:
+            return epsilon_by_analysis_at(spec, math.exp(log_e), fast=True)[name] - target
+        root = math.exp(brentq(gap, math.log(target / 8), math.log(target), xtol=1e-5))
+        while epsilon_by_analysis_at(spec, root)[name] > target:     # the exact curves: at or below the target
+            root *= 1 - 1e-5
+        per_trial[name] = root
+    out = {"epsilon_total_by_analysis": by, "epsilon_total_by_analysis_trial_epsilon": e,
+           "epsilon_total_by_analysis_of": "the recorded sweep's per-trial epsilon" if ran_trial_epsilon is not None
+           else "today's calibration", "trial_epsilon_by_analysis": per_trial, "trial_epsilon_calibrated_today": today}
+    log(f"{row}: per-trial epsilon {e:.5g} -> end-to-end " + ", ".join(f"{k} {v:.4f}" for k, v in by.items())
+        + "; per-trial epsilon at the target " + ", ".join(f"{k} {v:.5g}" for k, v in per_trial.items()))
+    return out
+
+
+def write_accounting(rows: list[str]) -> Path:
+    """Merge ``accounting`` into each row of the results file, the rest of the row kept as it is."""
+    path = RESULTS / f"{NAME}.json"
+    payload = read_result(path) or {"benchmark": NAME}
+    tuned = payload.setdefault("tuned", {})
+    for row in rows:
+        ran = (tuned.get(row) or {}).get("trial_epsilon")
+        tuned.setdefault(row, {}).update(accounting(row, ran))
+    payload["environment"] = environment(torch.device("cpu"))
+    return write_result(NAME, payload, out=path)
+
+
 def write(rows: dict) -> Path:
     path = RESULTS / f"{NAME}.json"
     payload = read_result(path) or {"benchmark": NAME}
@@ -212,15 +260,21 @@ def main(argv=None) -> None:
     ap.add_argument("--rows", nargs="+", default=list(SPECS), choices=list(SPECS))
     ap.add_argument("--collect-only", action="store_true", help="read the finished sweeps; run nothing")
     ap.add_argument("--docs", action="store_true", help="only rewrite docs/dpsgd.md's table from the results file")
+    ap.add_argument("--accounting", action="store_true",
+                    help="only each analysis' end-to-end epsilon (no training): epsilon_total_by_analysis")
     args = ap.parse_args(argv)
     if args.docs:
         update_docs()
+        return
+    if args.accounting:
+        log(f"wrote {write_accounting(args.rows)}")
         return
     rows = {}
     for row in args.rows:
         if not args.collect_only:
             run_sweep(row)
         rows[row] = collect(row)
+        rows[row].update(accounting(row, rows[row]["trial_epsilon"]))
     log(f"wrote {write(rows)}")
     update_docs()
 

@@ -316,6 +316,18 @@ def end_to_end_epsilon(spec: "SweepSpec", trial_epsilon: float) -> float:
     return _tuning_epsilon_at(spec, configs, trial_epsilon, tuning_delta(spec, configs))
 
 
+def epsilon_by_analysis_at(spec: "SweepSpec", trial_epsilon: float, fast: bool = False) -> dict[str, float]:
+    """``{analysis: end-to-end epsilon}`` of the spec's tuning when every trial runs at
+    ``trial_epsilon`` (accounting only: what each analysis charges for the same release)."""
+    from dpmech.privacy.accounting import rdp_curve
+    from dpmech.privacy.tuning_analyses import epsilon_total_by_analysis as by_analysis
+
+    tp = spec.tuning_privacy
+    configs = privacy_configs(spec)
+    curves = np.stack([rdp_curve(e, fast=fast) for e in _trial_events(spec, configs, trial_epsilon)])
+    return by_analysis(curves, tuning_delta(spec, configs), tp.distribution, tp.mean, tp.shape)
+
+
 def _tuning_epsilon_at(spec: "SweepSpec", configs: list[dict], trial_epsilon: float, delta: float,
                        fast: bool = False) -> float:
     """Charged end-to-end epsilon (the smallest sound analysis) when every configuration of
