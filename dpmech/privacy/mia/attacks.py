@@ -4,12 +4,13 @@ Each attack is a function ``attack(view, refs, **params) -> scores`` of an
 :class:`~dpmech.privacy.mia.game.AttackView` (the candidates and the target's outputs, never the
 membership) and :class:`~dpmech.privacy.mia.references.ReferenceModels` (OUT models trained on
 population data disjoint from the candidates). Scores are one float per candidate, higher = "more
-likely a member". Equation numbers: see docs/mia.md (the papers' text could not be opened offline;
-the formulas were checked against the authors' code, privacytrustlab/ml_privacy_meter
-``research/2023_rmia/main.py`` and tensorflow/privacy ``research/mi_lira_2021/plot.py``).
+likely a member". Citations (docs/mia.md, "The attacks"): LiRA's section, algorithm and equation
+numbers were checked against the paper's text; RMIA's paper could not be read offline, so it is cited by
+the names of its parts, and its offline formula and defaults were checked against the authors' code and
+configurations (privacytrustlab/ml_privacy_meter ``research/2023_rmia``).
 
-**RMIA, offline** (Zarifzadeh, Liu & Shokri, ICML 2024, Sec. 3, the offline paragraph; their
-Eqs. for LR and Score_MIA):
+**RMIA, offline** (Zarifzadeh, Liu & Shokri, ICML 2024: the pairwise likelihood ratio LR_theta(x, z)
+and Score_MIA of their attack, and its offline setting):
 
     Pr(x | theta)  = softmax(f_theta(x) / T)_y                  (the model's probability of the label)
     Pr(x)_OUT      = (1/K) sum_k Pr(x | theta'_k)               (K OUT reference models)
@@ -20,10 +21,13 @@ Eqs. for LR and Score_MIA):
 
 computed in log space (a = 1 reads Pr(x) = Pr(x)_OUT; Pr(z) by the same formula over the same models).
 Defaults a = 0.33, gamma = 2, T = 2: the authors' CIFAR-10 offline configuration
-(``rmia_offline_*_ref_models.yaml``) and LeakPro's defaults.
+(``rmia_offline_*_ref_models.yaml``: offline_a 0.33, offline_b 0.66 in p_IN(x) = a p_OUT(x) + b,
+temperature 2, gamma 2) and LeakPro's defaults.
 
-**LiRA, offline with a fixed variance** (Carlini et al., S&P 2022, Sec. IV; Alg. 1's offline variant
-and its "fixed variance" option):
+**LiRA, offline with a global variance** (Carlini et al., S&P 2022, Sec. IV-C, "Our offline attack":
+Alg. 1 without its lines 5, 6, 10 and 12, the one-sided test of Eq. (4); logit scaling Sec. IV-C, its
+stable form Sec. VI-A; one global variance Sec. VI-B, Fig. 9, better than per-example variances below
+64 shadow models):
 
     phi(x; f)  = log(p / (1 - p)), p = softmax(f(x))_y  = f(x)_y - logsumexp_{j != y} f(x)_j   (logit scaling)
     mu_out(x)  = (1/K) sum_k phi(x; theta'_k)
@@ -33,7 +37,7 @@ and its "fixed variance" option):
     score(x)   = (phi(x; theta) - mu_out(x)) / sigma
 
 The one-sided test rejects "x is OUT" when phi is large: its p-value is 1 - Phi(score) (the paper's
-Lambda = 1 - Pr[Z > phi_obs], Z ~ N(mu_out, sigma^2)). We return the standardised statistic rather
+Lambda = 1 - Pr[Z > phi_obs], Z ~ N(mu_out, sigma^2), their Eq. (4)). We return the standardised statistic rather
 than Phi of it, which saturates at 1.0 in floating point and would tie the strongest members; the
 order of the candidates (all the metrics read) is the same. With one global sigma the order does
 not depend on sigma's value at all.

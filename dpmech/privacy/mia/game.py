@@ -1,7 +1,7 @@
 """The membership game, stated explicitly (docs/mia.md, "The game").
 
-Carlini et al. (2022), Sec. III, Game 1, in its many-candidates form (the one Steinke, Nasr &
-Jagielski 2023 audit in one run):
+Carlini et al. (2022), Sec. III-A, Definition 1 (the membership inference security game), in its
+many-candidates form (the one Steinke, Nasr & Jagielski 2023 audit in one run):
 
 1. A pool of n candidates (x_i, y_i) is drawn from one distribution (the caller's pool: e.g. n
    examples of one split, chosen by the trial's public seed).
