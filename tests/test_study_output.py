@@ -164,6 +164,22 @@ def test_dry_run_shows_a_swept_mapping_compactly(tmp_path, capsys):
     assert header.split()[1] == "attacks"
 
 
+def test_a_multi_trainable_dry_run_does_not_call_the_trainables_own_defaults_swept():
+    """Issue 51.5: keys that are constant within each trainable and only differ between trainables' defaults
+    (DP-SGD's lr 0.1 against PixelDP's, their attack lists) are not "swept"; what varies within a trainable is,
+    whatever the other trainables hold; the control: a key varied within one trainable is swept."""
+    from sweeps.cli import dry_run_listing
+
+    trials = [{"trainable": "dpsgd", "epsilon": e, "lr": 0.5, "attacks": {}, "seed": 0} for e in (1.0, 3.0, None)]
+    trials += [{"trainable": "pixeldp", "attack_bound": b, "lr": 0.05, "attacks": {"pgd": [0.1]}, "seed": 0}
+               for b in (0.1, 0.3)]
+    groups = dry_run_listing(trials).splitlines()[0]
+    swept = groups.split(";")[0]
+    assert swept == "swept: epsilon, attack_bound"            # not lr, not attacks (they only tell trainables apart)
+    trials[0]["lr"] = 0.25                                     # control: lr now varies within dpsgd
+    assert dry_run_listing(trials).splitlines()[0].split(";")[0] == "swept: epsilon, lr, attack_bound"
+
+
 @pytest.fixture(scope="module")
 def one_trial_sweep(tmp_path_factory):
     """An MLflow store with a finished one-trial DP-SGD sweep (epsilon 8), selected on acc_clean."""

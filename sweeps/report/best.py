@@ -579,6 +579,17 @@ def record_best(info: dict, spec, rows: list[dict]) -> Best:
                 getattr(getattr(spec, "selection", None), "split", "none"))
 
 
+def varying_within(rows: list[dict], keys, group: str = "trainable") -> list[str]:
+    """The ``keys`` that take two or more values among the rows of one ``group`` (trainable) where they
+    are set: what a sweep swept. A key that is constant within each trainable and only differs between
+    trainables' defaults (a multi-trainable spec's ``attacks``, ``lr``) is not swept (issue 51.5)."""
+    def values(k, name):
+        return {json.dumps(r[k], sort_keys=True, default=str) for r in rows if r.get(group) == name and k in r}
+
+    names = list(dict.fromkeys(r.get(group) for r in rows))
+    return [k for k in keys if k != group and any(len(values(k, name)) > 1 for name in names)]
+
+
 def describe_best(best: Best, shown_keys: list[str] | None = None, n: int | None = None) -> str:
     """The console's ``best:`` lines: the configuration (its swept values), the statistic with
     mean ± sd and n over its seeds, the runner-up and the significance statement, the held-out score,
