@@ -379,6 +379,12 @@ def describe_stats(score: ConfigScore, metric: str) -> str:
     return f"{metric} = {_fmt(score.mean)} ± {score.sd:.2g} (mean ± sd over n = {score.n} seeds)"
 
 
+# the images a trial's own metrics (and every figure drawn from them) are measured on, under a selection split;
+# the other images' scores are its heldout_<metric> (issue 51.4: figures say which)
+SELECTION_IMAGES = {"test_half": "the selection half of the test images (the half selection read)",
+                    "validation": "the validation images selection read (a split of the training images)"}
+
+
 def describe_held_out(score: ConfigScore | None, metric: str, split: str = "") -> str:
     """The chosen configuration's score on images selection never saw (``heldout_<metric>``)."""
     if score is None or score.held_out is None:

@@ -486,12 +486,6 @@ def radius_csv_rows(records: list[dict], radii01=RADII_01) -> list[dict]:
     return out
 
 
-SPLIT_NOTE = {"test_half": "on the selection half of the test images (the half selection read); the held-out "
-                           "half's figures are the trials' `heldout_smooth_cert_acc_<r>` (best configuration above)",
-              "validation": "on the test images (selection read a validation split of the training images, not "
-                            "these)"}
-
-
 def certified_radius_section(sweep: Sweep, refs, out: Path, best: dict | None = None,
                              md_table=None, split: str = "none") -> tuple[list[str], list[Path]]:
     """The report's section: the table (also ``certified_radius.csv``, numbers in columns) and the
@@ -504,8 +498,11 @@ def certified_radius_section(sweep: Sweep, refs, out: Path, best: dict | None = 
     curves, note = radius_curves(sweep, best)
     if not curves:
         return [], []
-    where = SPLIT_NOTE.get(split, "")
-    note_where = f"{note}; {where.split(' (')[0]}" if where else note
+    from sweeps.report.best import SELECTION_IMAGES
+
+    where = (f"on {SELECTION_IMAGES[split]}; the other images' figures are the trials' "
+             "`heldout_smooth_cert_acc_<r>` (best configuration above)") if split in SELECTION_IMAGES else ""
+    note_where = f"{note}; on {SELECTION_IMAGES[split].split(' (')[0]}" if where else note
     fname = "certified_radius.png"
     draw_radius_figure(curves, out / fname, anchors=anchors_from_refs(refs), note=note_where,
                        title="Randomized smoothing: certified accuracy against l2 radius")

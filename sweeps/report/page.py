@@ -528,6 +528,13 @@ def make_report(experiment: str, tracking_uri: str, out: Path, *, sizes=None,
                   "configuration's n repeats.", "", *_md_table(dpal_rows), ""]
     if figures:
         lines += ["Every figure is also written as a vector file (PDF) beside its PNG, for a paper.", ""]
+        from sweeps.report.best import SELECTION_IMAGES
+
+        split = params.get("selection.split") or "none"
+        if split in SELECTION_IMAGES:   # issue 51.4: which images the curves are on
+            lines[-2] += (f" The figures and tables are measured on {SELECTION_IMAGES[split]}; the scores on the "
+                          "images selection never read are each trial's `heldout_<metric>` (best configuration "
+                          "above).")
     for title, fname, caption in figures:
         vector = (out / fname).with_suffix(rp.VECTOR)
         lines += [f"## {title}", "", f"![{title}]({fname})", ""] + ([caption, ""] if caption else [])
