@@ -22,6 +22,7 @@ MODULES = (
     "trainables.dpsgd",
     "trainables.label_dp",
     "trainables.secure_sgd",
+    "trainables.lipschitz_dp",
 )
 
 
