@@ -203,3 +203,45 @@ def test_a_sweep_without_privacy_epsilons_does_not_speak_of_the_per_trial_epsilo
     text = "\n".join(_privacy_section(sweep("pixeldp", math.nan)))
     assert "per-trial epsilons above" not in text and "No trial of these 2 reports a privacy epsilon" in text
     assert "per-trial epsilons above" in "\n".join(_privacy_section(sweep("dpsgd", 1.0)))   # the control
+
+
+def test_the_parent_run_records_each_comparison_and_the_baseline(tmp_path):
+    """Issue 51.2: what the console and the report say about the comparisons is on the parent run too
+    (tags dpsweep.compare.<name> and dpsweep.baseline, metrics compare.<name>.diff / .p / .p_holm / ...),
+    so sweeps can be searched and compared on them in MLflow; a comparison the spec did not ask for is
+    not recorded (the control)."""
+    from types import SimpleNamespace
+
+    from mlflow.tracking import MlflowClient
+
+    from sweeps.report.best import record_best
+    from trainables.tracking import TAG_PARENT, TAG_TRIAL
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("cmp")
+    rows = _console_rows()
+
+    def run(compare):
+        parent = client.create_run(exp, tags={"dpsweep.kind": "sweep"}).info.run_id
+        for r in rows:
+            client.create_run(exp, tags={TAG_PARENT: parent, TAG_TRIAL: r["trial_id"]})
+        spec = SimpleNamespace(search=SimpleNamespace(metric="acc_clean", mode="max"), tuning_privacy=None,
+                               selection=SimpleNamespace(statistic="mean", best_of="private", compare=compare,
+                                                         split="none"))
+        record_best({"tracking_uri": uri, "experiment_id": exp, "parent_run_id": parent}, spec, rows)
+        return client.get_run(parent).data
+
+    data = run(["runner_up", "baseline"])
+    assert data.tags["dpsweep.compare.best_vs_runner_up"].startswith("best vs runner-up: acc_clean difference")
+    assert "what privacy costs" in data.tags["dpsweep.baseline"]
+    m = data.metrics
+    assert m["compare.best_vs_non_private_baseline.diff"] == pytest.approx(0.91 - 0.975)
+    assert m["compare.best_vs_non_private_baseline.ci_low"] < m["compare.best_vs_non_private_baseline.diff"] \
+        < m["compare.best_vs_non_private_baseline.ci_high"]
+    # two tests made together: Holm's adjustment is recorded beside the raw p-value, never below it
+    assert m["compare.best_vs_runner_up.p_holm"] >= m["compare.best_vs_runner_up.p"]
+    control = run(["runner_up"])          # only the runner-up asked for: no baseline comparison recorded
+    assert "compare.best_vs_runner_up.diff" in control.metrics
+    assert not any(k.startswith("compare.best_vs_non_private") for k in control.metrics)
+    assert not any(k.startswith("dpsweep.compare.best_vs_non_private") for k in control.tags)

@@ -575,6 +575,10 @@ def record_best(info: dict, spec, rows: list[dict]) -> Best:
             metrics += [Metric(f"best_{metric}_mean", b.mean, now, 0), Metric(f"best_{metric}_n", float(b.n), now, 0)]
             if math.isfinite(b.sd):
                 metrics.append(Metric(f"best_{metric}_sd", b.sd, now, 0))
+        if selection is not None and not private:   # the comparisons the spec asked for, on the parent (issue 51.2)
+            t, m = comparison_records(selection, metric, now)
+            tags += t
+            metrics += m
         held = row.get(HELD_OUT + metric) if private else (b.held_out[0] if b is not None and b.held_out else None)
         if _finite(held):
             metrics.append(Metric(f"best_{HELD_OUT}{metric}", float(held), now, 0))
@@ -583,6 +587,31 @@ def record_best(info: dict, spec, rows: list[dict]) -> Best:
     return Best(metric or "", mode, row, run_id, url, len(children), spec.tuning_privacy is not None,
                 claims_privacy([row.get("trainable") for row in rows]) if rows else True, selection,
                 getattr(getattr(spec, "selection", None), "split", "none"))
+
+
+def comparison_slug(name: str) -> str:
+    """``best_vs_runner_up`` for "best vs runner-up": a comparison's name in MLflow keys."""
+    return "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")[:60]
+
+
+def comparison_records(selection: "Selection", metric: str, now: int) -> tuple[list, list]:
+    """The parent run's record of each comparison (``selection.compare``; issue 51.2): the tag
+    ``dpsweep.compare.<name>`` (the sentence the report prints), the metrics ``compare.<name>.diff``,
+    ``.ci_low``, ``.ci_high``, ``.p``, ``.p_holm``, ``.effect`` where defined, and the tag
+    ``dpsweep.baseline`` (the non-private baseline's score and what privacy costs), so that MLflow's
+    search and compare views can filter sweeps on them."""
+    from mlflow.entities import Metric, RunTag
+
+    tags, metrics = [], []
+    for c in selection.comparisons:
+        slug = comparison_slug(c.name)
+        tags.append(RunTag(f"dpsweep.compare.{slug}", f"{c.name}: {c.summary(metric)}"[:MAX_TAG]))
+        values = {"diff": c.diff, "ci_low": c.ci[0], "ci_high": c.ci[1], "p": c.p_value, "p_holm": c.p_holm,
+                  "effect": c.effect}
+        metrics += [Metric(f"compare.{slug}.{k}", float(v), now, 0) for k, v in values.items() if _finite(v)]
+    if selection.baseline is not None and selection.baseline is not selection.best:
+        tags.append(RunTag("dpsweep.baseline", selection.baseline_statement()[:MAX_TAG]))
+    return tags, metrics
 
 
 def varying_within(rows: list[dict], keys, group: str = "trainable") -> list[str]:
