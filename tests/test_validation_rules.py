@@ -248,6 +248,12 @@ def test_only_keeps_one_trainable_of_a_multi_trainable_spec(capsys):
     assert len({t.name for t in whole.trainables}) > 1
     one = load_spec(path, (), ["pixeldp"])
     assert {t.name for t in one.trainables} == {"pixeldp"}
+    # what `dpsweep run` saves for `dpsweep resume` (dpsweep.json's spec) is the kept trainable alone: a resumed
+    # --only sweep re-plans none of the dropped ones
+    from sweeps.spec import validate_spec
+
+    assert [t["name"] for t in one.raw["trainables"]] == ["pixeldp"]
+    assert {t.name for t in validate_spec(one.raw).trainables} == {"pixeldp"}
     assert main(["validate", str(path), "--only", "secure_sgd"]) == 0
     assert "trainables: secure_sgd)" in capsys.readouterr().out
     assert main(["validate", str(path), "--only", "dpsdg"]) == 2
