@@ -404,3 +404,24 @@ def test_metrics_against_direct_computation():
     with pytest.raises(ValueError, match="at least 2 members"):
         evaluate_scores(scores[:3], np.array([True, False, False]), delta=DELTA)
     assert isinstance(AttackView, type)
+
+
+def test_rows_in_finds_byte_equal_rows_and_never_takes_a_key_collision_for_one(monkeypatch):
+    """The population is kept disjoint from the candidates by ``rows_in`` (vectorised keys, each hit
+    confirmed byte for byte): planted copies are found, rows that differ in one bit are not, and when
+    every key collides (a planted worst case) only the true copies remain."""
+    import numpy as np
+    import torch
+
+    from dpmech.privacy.mia import references
+
+    g = torch.Generator().manual_seed(0)
+    pool = torch.rand(500, 1, 6, 6, generator=g)
+    cand = torch.rand(40, 1, 6, 6, generator=g)
+    pool[[3, 250, 499]] = cand[[0, 7, 39]]
+    near = cand[5].clone()
+    near.view(-1)[0] = torch.nextafter(near.view(-1)[0], torch.tensor(2.0))   # one ulp away: not a copy
+    pool[100] = near
+    assert np.flatnonzero(references.rows_in(pool, cand)).tolist() == [3, 250, 499]
+    monkeypatch.setattr(references, "_row_keys", lambda words, chunk=2048: np.zeros(words.shape[0], np.uint64))
+    assert np.flatnonzero(references.rows_in(pool, cand)).tolist() == [3, 250, 499]

@@ -165,7 +165,7 @@ class MiaTrial:
     def __init__(self, cfg, x, y, device, noise_key, mechanism_cls):
         from dpmech.datasets.splits import load_held_out
         from dpmech.privacy.mia.game import MembershipGame
-        from dpmech.privacy.mia.references import _row_digests
+        from dpmech.privacy.mia.references import rows_in
 
         self.cfg, self.device, self.mechanism_cls = cfg, device, mechanism_cls
         self.settings = s = settings(cfg)
@@ -175,12 +175,7 @@ class MiaTrial:
         cand, rest = perm[:s.candidates].sort().values, perm[s.candidates:].sort().values
         cx, cy = px[cand], py[cand]
         # the population must be disjoint from the candidates: drop a rest image equal to a candidate (duplicates)
-        seen = _row_digests(cx)
-        flat = px[rest].contiguous().reshape(rest.shape[0], -1).numpy()
-        import hashlib
-
-        keep = torch.tensor([hashlib.blake2b(r.tobytes(), digest_size=16).digest() not in seen for r in flat],
-                            dtype=torch.bool)
+        keep = torch.from_numpy(~rows_in(px[rest], cx))
         self.population = (px[rest[keep]], py[rest[keep]])
         # the coins: the trial's own secret stream (never the public seed's, unless noise_source: seed)
         self.game = MembershipGame(cx, cy, generator=noise_key.generator("mia.membership", int(cfg.seed)))

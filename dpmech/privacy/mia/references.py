@@ -72,9 +72,39 @@ def _seed(seed: int, *path: int) -> int:
     return int(np.random.SeedSequence([int(seed), *path]).generate_state(1, np.uint32)[0])
 
 
-def _row_digests(x: torch.Tensor) -> set[bytes]:
-    flat = x.detach().cpu().contiguous().reshape(x.shape[0], -1).numpy()
-    return {hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in flat}
+def _row_words(x: torch.Tensor) -> np.ndarray:
+    """The rows of ``x`` as unsigned words (its bytes, reinterpreted: equal rows, equal words)."""
+    flat = np.ascontiguousarray(x.detach().cpu().contiguous().reshape(x.shape[0], -1).numpy())
+    raw = flat.view(np.uint8).reshape(flat.shape[0], -1)
+    return raw.view(np.uint32) if raw.shape[1] % 4 == 0 else raw
+
+
+def _row_keys(words: np.ndarray, chunk: int = 2048) -> np.ndarray:
+    """A 64-bit key per row: the sum of its words times fixed odd weights, mod 2^64 (exact integer
+    arithmetic, so equal rows get equal keys whatever the order of the sum); chunked to bound memory."""
+    w = np.random.default_rng(52).integers(1, 2 ** 63, size=words.shape[1], dtype=np.uint64) | np.uint64(1)
+    out = np.empty(words.shape[0], dtype=np.uint64)
+    for i in range(0, words.shape[0], chunk):
+        out[i:i + chunk] = (words[i:i + chunk].astype(np.uint64) * w).sum(axis=1, dtype=np.uint64)
+    return out
+
+
+def rows_in(x: torch.Tensor, other: torch.Tensor) -> np.ndarray:
+    """Boolean mask over the rows of ``x``: True where the row equals some row of ``other`` byte for
+    byte. Vectorised keys (``_row_keys``) find the candidates; each hit is confirmed by comparing the
+    bytes, so a key collision is never taken for a duplicate."""
+    a, b = _row_words(x), _row_words(other)
+    if a.shape[1:] != b.shape[1:]:
+        return np.zeros(a.shape[0], dtype=bool)
+    ka, kb = _row_keys(a), _row_keys(b)
+    hit = np.isin(ka, kb)
+    if hit.any():
+        index: dict[int, list[int]] = {}
+        for j in np.flatnonzero(np.isin(kb, ka[hit])):
+            index.setdefault(int(kb[j]), []).append(int(j))
+        for i in np.flatnonzero(hit):
+            hit[i] = any(np.array_equal(a[i], b[j]) for j in index.get(int(ka[i]), ()))
+    return hit
 
 
 class ReferenceModels:
@@ -124,7 +154,6 @@ class ReferenceModels:
             self.keys.append(reference_key(self.population_x[idx], self.population_y[idx],
                                            architecture=architecture, recipe=recipe, seed=self.seeds[-1]))
         self._models = None
-        self._digests = None
         self._z_logits = None
 
     def training_set(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,12 +195,10 @@ class ReferenceModels:
     def check_disjoint(self, x: torch.Tensor) -> None:
         """Refuse candidates that equal a population example (byte for byte): a reference model trained
         on a candidate would not be OUT for it, and RMIA's z would not be a non-member."""
-        if self._digests is None:
-            self._digests = _row_digests(self.population_x)
         if x.shape[1:] != self.population_x.shape[1:]:
             raise ValueError(f"population: its examples have shape {tuple(self.population_x.shape[1:])}, the "
                              f"candidates' {tuple(x.shape[1:])}")
-        shared = len(_row_digests(x) & self._digests)
+        shared = int(rows_in(x, self.population_x).sum())
         if shared:
             raise ValueError(f"population: {shared} candidate(s) also appear in the population data; the reference "
                              "models and the comparison samples must be disjoint from the candidates")
