@@ -730,6 +730,76 @@ def envelope(units: list[dict], row: str, methods=None) -> dict | None:
     return out
 
 
+LIKE_FOR_LIKE_N = 10_000
+
+
+def like_for_like_choice(units: list[dict], n: int = LIKE_FOR_LIKE_N) -> dict:
+    """Per headline radius, the (method, sigma_01) of the like-for-like row (issue 53.1), chosen on the
+    validation split and never on the certified test images: among the epsilon-3 validation units at N
+    ``n`` that can reach the radius (CERTIFY's largest radius at their sigma and N), the best mean
+    certified accuracy there. A radius no validation unit reaches (2.0 at N 10,000 needs sigma_01 >= 0.63)
+    takes the method best on validation at the largest radius it did reach, at the smallest of
+    ``SIGMAS_01`` that reaches it (a choice by reach, said so). ``{r: (method, sigma, how)}``."""
+    val: dict[tuple, list[dict]] = {}
+    for u in units:
+        if u["split"] == "val" and u["epsilon_row"] == "eps_3" and u["n"] == n and u.get("method") in METHODS:
+            val.setdefault((u["method"], u["sigma_01"]), []).append(u)
+    out = {}
+    if not val:
+        return out
+
+    def mean_at(g, r):
+        return statistics.fmean(u["cert_acc_01"][r] for u in val[g])
+
+    reached = [r for r in map(key01, HEADLINE_RADII_01) if any(float(r) <= reach01(g[1], n) for g in val)]
+    for r in map(key01, HEADLINE_RADII_01):
+        able = [g for g in val if float(r) <= reach01(g[1], n)]
+        if able:
+            out[r] = (*max(able, key=lambda g: mean_at(g, r)), "validation split")
+            continue
+        last = reached[-1] if reached else None
+        method = max((g for g in val if float(last) <= reach01(g[1], n)), key=lambda g: mean_at(g, last))[0] \
+            if last else "dpcert"
+        sigma = next((s_ for s_ in SIGMAS_01 if float(r) <= reach01(s_, n)), SIGMAS_01[-1])
+        out[r] = (method, sigma, f"by reach: no validation unit reaches r {r} at N {n:,}; the method best on "
+                                 f"validation at r {last}, at the smallest sigma_01 that reaches r")
+    return out
+
+
+def like_for_like(units: list[dict], n: int = LIKE_FOR_LIKE_N) -> dict | None:
+    """``dpcert_like_for_like`` (issue 53.1): our epsilon-3 configurations, trained at DP-CERT's privacy
+    (its noise multiplier 1.23, batch 512, 40 epochs: epsilon 2.90 at delta 1e-6) and certified at DP-CERT's
+    N 10,000 (alpha 0.001) on the same 500 test images; per radius the configuration chosen on the
+    validation split (``like_for_like_choice``), its mean and sample std over the seeds run. A radius whose
+    chosen configuration has no test unit yet is ``None`` (pending)."""
+    choice = like_for_like_choice(units, n)
+    mine = [u for u in units if u["epsilon_row"] == "dp_cert_noise" and u["split"] == "test" and u["n"] == n]
+    if not choice or not mine:
+        return None
+    out = {"cert_acc": {}, "cert_acc_std": {}, "seeds_per_radius": {}, "config": {}, "radius_domain": "[0, 1]",
+           "certify_n": n, "n": n, "n0": N0, "alpha": ALPHA, "images": mine[0]["images"]}
+    for r, (method, sigma, how) in choice.items():
+        us = [u for u in mine if u["method"] == method and u["sigma_01"] == sigma]
+        accs = [u["cert_acc_01"][r] for u in us]
+        out["cert_acc"][r] = statistics.fmean(accs) if accs else None
+        out["cert_acc_std"][r] = statistics.stdev(accs) if len(accs) > 1 else None
+        out["seeds_per_radius"][r] = len(accs)
+        out["config"][r] = {"method": method, "sigma_01": sigma, "sigma_pm1": 2 * sigma, "chosen_by": how,
+                            **({k: us[0]["config"].get(k) for k in CONFIG_KEYS} if us else {})}
+    eps6 = [u["epsilon_delta_1e-6"] for u in mine if u.get("epsilon_delta_1e-6") is not None]
+    eps = [u["epsilon"] for u in mine if u.get("epsilon") is not None]
+    out["epsilon_delta_1e-6"] = max(eps6) if eps6 else None
+    out["epsilon"] = max(eps) if eps else None
+    out["delta"] = mine[0].get("delta")
+    out["noise_multiplier"] = DP_CERT_NOISE_MULTIPLIER
+    out["seeds"] = min(out["seeds_per_radius"].values())
+    out["anchor"] = ANCHORS["dp_cert_eps_3"]
+    out["selection_short"] = "validation split (eps-3 units), per radius"
+    out["selection"] = ("per radius, the epsilon-3 configuration best on the validation split (55,000 / 5,000) "
+                        f"at N {n:,}, among those CERTIFY can reach the radius with; never the certified images")
+    return out
+
+
 def load_units(runs: Path) -> list[dict]:
     import json
 
@@ -762,9 +832,14 @@ def summarize(runs: Path, out: Path | None = None, extra: dict | None = None) ->
     payload = {"benchmark": NAME, "dataset": "mnist (60,000 train / 10,000 test), inputs in [-1, 1]",
                "radius_domain_of_top_level": "[0, 1] (radius_[0,1] = radius_[-1,1] / 2)"}
     for row in RECIPES:
+        if row == "dp_cert_noise":      # its own row, chosen on validation (like_for_like), never an envelope
+            continue
         e = envelope(units, row)
         if e is not None:
             payload[row] = e
+    lfl = like_for_like(units)
+    if lfl is not None:
+        payload["dpcert_like_for_like"] = lfl
     mech = mechanism_rows(units)
     if mech:
         payload["mechanisms"] = mech
@@ -916,7 +991,7 @@ def docs_table(summary: dict) -> str:
     rows = ["| epsilon | " + " | ".join(f"r_[0,1] {key01(r)} (r_[-1,1] {key01(2 * r)})" for r in HEADLINE_RADII_01)
             + " | N, images | selection |",
             "| --- | " + " | ".join("---" for _ in HEADLINE_RADII_01) + " | --- | --- |"]
-    names = {"eps_3": "3", "eps_1": "1", "non_private": "non-private", "dp_cert_noise": EPS_LABEL["dp_cert_noise"]}
+    names = {"eps_3": "3", "eps_1": "1", "non_private": "non-private"}   # DP-CERT's noise: the like-for-like row
     for row, label in names.items():
         e = summary.get(row)
         tgt = TARGETS.get(row)
@@ -935,6 +1010,21 @@ def docs_table(summary: dict) -> str:
         eps = "" if e["epsilon"] is None else f" (eps {e['epsilon']:.2f} at delta 1e-5, {e['epsilon_delta_1e-6']:.2f} at 1e-6)"
         rows.append(f"| {label}{eps} | " + " | ".join(cells)
                     + f" | N {e['n']}, {e['images']} images | {_selection(e)} |")
+    lfl = summary.get("dpcert_like_for_like")
+    if lfl is not None:       # issue 53.1: DP-CERT's privacy and N, beside its published row
+        cells = []
+        for r in map(key01, HEADLINE_RADII_01):
+            c, v, dp = lfl["config"][r], lfl["cert_acc"][r], ANCHORS["dp_cert_eps_3"][r]
+            if v is None:
+                cells.append(f"pending ({c['method']}, sigma_01 {c['sigma_01']})")
+                continue
+            sd = lfl["cert_acc_std"][r]
+            cells.append(f"{v:.1f}" + (f" +- {sd:.1f}" if sd is not None else "")
+                         + f" ({c['method']}, sigma_01 {c['sigma_01']}, {_seeds(lfl, r)}; DP-CERT {dp}: "
+                         + ("at or above" if v >= dp else "below") + ")")
+        eps = "" if lfl["epsilon_delta_1e-6"] is None else f" (eps {lfl['epsilon_delta_1e-6']:.2f} at delta 1e-6)"
+        rows.append(f"| like for like with DP-CERT: noise multiplier {DP_CERT_NOISE_MULTIPLIER:g}{eps} | "
+                    + " | ".join(cells) + f" | N {lfl['n']:,}, {lfl['images']} images | {_selection(lfl)} |")
     rows.extend(mechanism_table_rows(summary))
     a = ANCHORS
     for name, label in (("cohen_gaussian_non_private", "anchor: Cohen et al., non-private"),
@@ -942,7 +1032,7 @@ def docs_table(summary: dict) -> str:
                         ("dp_cert_eps_3", "anchor: DP-CERT, eps ~3 (delta 1e-6)")):
         rows.append(f"| {label} | " + " | ".join(f"{a[name][key01(r)]}" for r in HEADLINE_RADII_01)
                     + " | N 100,000, full test set | |")
-    chosen = [e for e in [summary.get(row) for row in names]
+    chosen = [e for e in [summary.get(row) for row in names] + [lfl]
               + [x for m in (summary.get("mechanisms") or {}).values() for x in m.values()] if e]
     if chosen:
         rows.append("")
