@@ -38,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RADII_01 = (0.5, 1.0, 1.5, 2.0)
-RECIPE = {"batch_size": 512, "epochs": 20, "lr": 2e-3, "tau": 4.0, "input_radius": 10.0, "width": 16,
+# tau 16: the validation split's choice (epsilon 3, 5,000 images, 10 epochs: clean accuracy 79.0% against 76.2% at
+# tau 4 and 65.2% at tau 1; 0% certified at r_01 0.5 for all three), docs/lipschitz.md
+RECIPE = {"batch_size": 512, "epochs": 20, "lr": 2e-3, "tau": 16.0, "input_radius": 10.0, "width": 16,
           "hidden": 256, "noise_allocation": "per_layer", "delta": 1e-5}
 
 
