@@ -70,7 +70,7 @@ def power_iteration_lower_bound(linear_map, shape: tuple[int, ...], iters: int =
     for _ in range(iters):
         v = (v / v.norm()).requires_grad_(True)
         out = linear_map(v)
-        value = float(out.norm())
+        value = float(out.detach().norm())
         (grad,) = torch.autograd.grad(0.5 * out.pow(2).sum(), v)
         v = grad.detach()
         if v.norm() == 0:

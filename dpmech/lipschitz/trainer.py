@@ -169,7 +169,9 @@ class LipschitzDPTrainer:
             raise ValueError(f"model: must be a dpmech.lipschitz LipschitzSequential, got {type(model).__name__}")
         if not isinstance(config, LipschitzDPConfig):
             raise ValueError(f"config: must be a LipschitzDPConfig, got {type(config).__name__}")
-        v.training_images(x_train, y_train)
+        if not (torch.is_tensor(x_train) and torch.is_tensor(y_train) and x_train.dim() >= 2
+                and y_train.dim() == 1 and x_train.shape[0] == y_train.shape[0]):
+            raise ValueError("x_train: must be a tensor [N, ...] with N labels in y_train")
         self.config = config
         self.device = torch.device(device)
         self.x, self.y = x_train.to(self.device), y_train.to(self.device)
