@@ -97,7 +97,8 @@ def lipschitz_rows(units: list[dict]) -> dict:
         key = f"eps_{eps:g}"
         rows[key] = {
             "cert_acc": {r: statistics.mean(u["cert_acc"][r] for u in us) for r in us[0]["cert_acc"]},
-            "cert_acc_std": {r: statistics.pstdev(u["cert_acc"][r] for u in us) for r in us[0]["cert_acc"]},
+            "cert_acc_std": {r: (statistics.stdev(u["cert_acc"][r] for u in us) if len(us) > 1 else None)
+                             for r in us[0]["cert_acc"]},
             "acc_clean": statistics.mean(u["acc_clean"] for u in us),
             "epsilon": max(u["epsilon"] for u in us), "epsilon_pld": max(u["epsilon_pld"] for u in us),
             "lipschitz": max(u["lipschitz"] for u in us), "seeds": len(us), "train_size": us[0]["train_size"],
@@ -130,14 +131,18 @@ def main(argv=None) -> int:
                 continue
             rec = run_unit(eps, seed, a.split, a.train_size, a.cert_images, recipe, a.threads)
             rec.update(device=platform.processor() or platform.machine(), torch=torch.__version__,
-                       date=time.strftime("%Y-%m-%d"))
+                       date=time.strftime("%Y-%m-%d"), tag=a.tag)
             path.write_text(json.dumps(rec, indent=1))
             print(json.dumps({k: rec[k] for k in ("epsilon", "acc_clean", "cert_acc", "lipschitz", "train_seconds")}))
             done.append(rec)
     if a.split == "test":
+        # the summary: every full-MNIST test unit on disk (other seeds from earlier runs included), never a
+        # subset's or a tagged exploration's
+        units = [json.loads(f.read_text()) for f in sorted(unit_dir.glob("*.json"))]
+        units = [u for u in units if u.get("split") == "test" and u.get("train_size") is None and not u.get("tag")]
         out = Path(a.out)
         summary = json.loads(out.read_text()) if out.exists() else {}
-        summary.update(lipschitz_rows(done))
+        summary.update(lipschitz_rows(units))
         out.write_text(json.dumps(summary, indent=1))
     return 0
 
