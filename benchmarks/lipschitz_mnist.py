@@ -80,7 +80,9 @@ def run_unit(epsilon: float | None, seed: int = 0, split: str = "test", train_si
             "delta": priv["delta"], "noise_multiplier": priv["noise_multiplier"], "steps": priv["steps"],
             "train_loss_last": history[-1]["train_loss"], "train_seconds": train_s, "threads": threads,
             "certificate": "deterministic (Lipschitz margin, no Monte-Carlo, no abstention)",
-            "noise": "NoiseKey.reproducible(seed): research mode, no guarantee against who knows the seed"}
+            "noise": "NoiseKey.reproducible(seed): research mode, no guarantee against who knows the seed",
+            # per certified image, for the figure's curve (dp_certified_mnist.py draws it beside the smoothing rows)
+            "radius_01": [round(float(v), 6) for v in cert.radius_01], "correct": [bool(c) for c in cert.correct]}
 
 
 def unit_name(epsilon, seed, split, train_size, tag) -> str:
@@ -90,7 +92,7 @@ def unit_name(epsilon, seed, split, train_size, tag) -> str:
 
 def lipschitz_rows(units: list[dict]) -> dict:
     """``{"eps_3": {...}, "eps_1": {...}}`` from unit records (mean and sd over seeds), the shape of
-    dp_certified_mnist.json's ``lipschitz`` key."""
+    dp_certified_mnist.json's ``lipschitz`` key; ``units``: the unit file names, for the figure's curves."""
     rows = {}
     for eps in sorted({u["epsilon_target"] for u in units if u["epsilon_target"] is not None}, reverse=True):
         us = [u for u in units if u["epsilon_target"] == eps]
@@ -102,7 +104,8 @@ def lipschitz_rows(units: list[dict]) -> dict:
             "acc_clean": statistics.mean(u["acc_clean"] for u in us),
             "epsilon": max(u["epsilon"] for u in us), "epsilon_pld": max(u["epsilon_pld"] for u in us),
             "lipschitz": max(u["lipschitz"] for u in us), "seeds": len(us), "train_size": us[0]["train_size"],
-            "images": us[0]["cert_acc_images"], "certificate": "deterministic", "recipe": us[0]["recipe"]}
+            "images": us[0]["cert_acc_images"], "certificate": "deterministic", "recipe": us[0]["recipe"],
+            "units": [unit_name(u["epsilon_target"], u["seed"], u["split"], None, "") for u in us]}
     return rows
 
 
@@ -138,8 +141,7 @@ def main(argv=None) -> int:
     if a.split == "test":
         # the summary: every full-MNIST test unit on disk (other seeds from earlier runs included), never a
         # subset's or a tagged exploration's
-        units = [json.loads(f.read_text()) for f in sorted(unit_dir.glob("*.json"))]
-        units = [u for u in units if u.get("split") == "test" and u.get("train_size") is None and not u.get("tag")]
+        units = [json.loads(f.read_text()) for f in sorted(unit_dir.glob("*_test_nall.json"))]
         out = Path(a.out)
         summary = json.loads(out.read_text()) if out.exists() else {}
         summary.update(lipschitz_rows(units))
