@@ -731,6 +731,8 @@ def envelope(units: list[dict], row: str, methods=None) -> dict | None:
 
 
 LIKE_FOR_LIKE_N = 10_000
+LIPSCHITZ = RESULTS / "lipschitz_mnist.json"      # benchmarks/lipschitz_mnist.py's summary (issue 53.5)
+LIPSCHITZ_UNITS = RESULTS / "lipschitz_mnist"
 
 
 def like_for_like_choice(units: list[dict], n: int = LIKE_FOR_LIKE_N) -> dict:
@@ -840,6 +842,9 @@ def summarize(runs: Path, out: Path | None = None, extra: dict | None = None) ->
     lfl = like_for_like(units)
     if lfl is not None:
         payload["dpcert_like_for_like"] = lfl
+    lip = {k: v for k, v in read_result(LIPSCHITZ).items() if k in ("eps_3", "eps_1")}
+    if lip:      # issue 53.5: the deterministic certificate (benchmarks/lipschitz_mnist.py), same images and radii
+        payload["lipschitz"] = lip
     mech = mechanism_rows(units)
     if mech:
         payload["mechanisms"] = mech
@@ -1025,6 +1030,13 @@ def docs_table(summary: dict) -> str:
         eps = "" if lfl["epsilon_delta_1e-6"] is None else f" (eps {lfl['epsilon_delta_1e-6']:.2f} at delta 1e-6)"
         rows.append(f"| like for like with DP-CERT: noise multiplier {DP_CERT_NOISE_MULTIPLIER:g}{eps} | "
                     + " | ".join(cells) + f" | N {lfl['n']:,}, {lfl['images']} images | {_selection(lfl)} |")
+    for row, e in (summary.get("lipschitz") or {}).items():   # issue 53.5: no Monte-Carlo, no abstention
+        cells = [f"{e['cert_acc'][r]:.1f}" + (f" +- {e['cert_acc_std'][r]:.1f}" if e["cert_acc_std"].get(r) is not None
+                                               else "") + f" ({e['seeds']} seed{'s' if e['seeds'] != 1 else ''})"
+                 for r in map(key01, HEADLINE_RADII_01)]
+        rows.append(f"| Lipschitz network, clipless DP-SGD, eps {e['epsilon']:.2f} at delta 1e-5 (deterministic "
+                    f"certificate; clean accuracy {e['acc_clean']:.1f}%) | " + " | ".join(cells)
+                    + f" | no N: exact, {e['images']} images | fixed recipe (docs/lipschitz.md) |")
     rows.extend(mechanism_table_rows(summary))
     a = ANCHORS
     for name, label in (("cohen_gaussian_non_private", "anchor: Cohen et al., non-private"),
@@ -1140,6 +1152,22 @@ def draw_figure(summary: dict, path: Path = FIGURE, runs: Path | None = RUNS) ->
                                           protects_short(m["trainable"], math.nan if row == "non_private" else 1.0),
                                           radii, mean, sd, len(us), config={"method": method, "sigma_01": sigma}))
             notes.append(f"{family}: N {n:,}, {mine[0]['images']} images")
+    import json
+
+    for row, e in (summary.get("lipschitz") or {}).items():     # the deterministic certificate's curve
+        parts = []
+        for name in e.get("units") or []:
+            f = LIPSCHITZ_UNITS / f"{name}.json"
+            full = json.loads(f.read_text()) if f.exists() else {}
+            if full.get("radius_01") and full.get("correct"):
+                rad, ok = np.asarray(full["radius_01"], dtype=float), np.asarray(full["correct"], dtype=bool)
+                parts.append(np.array([(ok & (rad >= r - 1e-12)).mean() for r in FINE_RADII_01]))
+        if parts:
+            acc = np.array(parts)
+            curves.append(RadiusCurve("deterministic certificate", f"Lipschitz DP-SGD {EPS_LABEL.get(row, row)}",
+                                      "DP: training examples", FINE_RADII_01, acc.mean(axis=0),
+                                      acc.std(axis=0, ddof=1) if len(parts) > 1 else None, len(parts)))
+            notes.append(f"Lipschitz {EPS_LABEL.get(row, row)}: exact, {e['images']} images")
     anchors = [(label, [(r, ANCHORS[name][key01(r)] / 100.0) for r in HEADLINE_RADII_01])
                for name, label in (("cohen_gaussian_non_private", "Cohen et al., non-private"),
                                    ("best_non_private", "best non-private"),

@@ -382,3 +382,38 @@ def test_lenet_methods_train_the_same_objective_on_cohen_s_network(tmp_path):
     (unit,) = summary["units"].values()
     assert unit["network"] == "lenet" and unit["method"] == "lenet_gaussian"
     assert summary["non_private"]["config"]["0.5"]["network"] == "lenet"
+
+
+def test_the_lipschitz_rows_join_the_table_and_the_figure_as_a_deterministic_certificate(tmp_path, monkeypatch):
+    """Issue 53.5: benchmarks/lipschitz_mnist.py's rows enter the summary's ``lipschitz`` key, the docs table
+    (labelled a deterministic certificate: no N, no abstention) and the figure (a curve from each unit's
+    per-image radii, counted the way certified accuracy is: correct and radius >= r)."""
+    import json as _json
+
+    from sweeps.report import plots as rp
+
+    units = tmp_path / "lip"
+    units.mkdir()
+    rad = [0.6, 0.6, 1.2, 0.1] + [0.0] * 6
+    correct = [True, True, True, False] + [True] * 6
+    (units / "eps3_seed0_test_nall.json").write_text(_json.dumps({"radius_01": rad, "correct": correct}))
+    lip = {"eps_3": {"cert_acc": {"0.5": 30.0, "1.0": 10.0, "1.5": 0.0, "2.0": 0.0},
+                     "cert_acc_std": {"0.5": None, "1.0": None, "1.5": None, "2.0": None}, "acc_clean": 90.0,
+                     "epsilon": 2.9997, "seeds": 1, "images": 10, "units": ["eps3_seed0_test_nall"]}}
+    (tmp_path / "lip.json").write_text(_json.dumps(lip))
+    monkeypatch.setattr(bench, "LIPSCHITZ", tmp_path / "lip.json")
+    monkeypatch.setattr(bench, "LIPSCHITZ_UNITS", units)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    summary = _json.loads(bench.summarize(runs, tmp_path / "summary.json").read_text())
+    assert summary["lipschitz"]["eps_3"]["cert_acc"]["0.5"] == 30.0
+    row = next(line for line in bench.docs_table(summary).splitlines() if "Lipschitz" in line)
+    assert "deterministic certificate" in row and "30.0 (1 seed)" in row and "no N: exact" in row
+    figs = {}
+    real = rp._save
+    monkeypatch.setattr(rp, "_save", lambda fig, axes, path, **kw: (figs.update({path.name: fig}),
+                                                                    real(fig, axes, path, **kw)))
+    assert bench.draw_figure(summary, tmp_path / "fig.png", runs)
+    (curve,) = [ln for ln in figs["fig.png"].axes[0].get_lines() if "Lipschitz" in ln.get_label()]
+    x, y = curve.get_xdata(), curve.get_ydata()
+    assert y[list(x).index(0.5)] == pytest.approx(0.3) and y[list(x).index(1.0)] == pytest.approx(0.1)
