@@ -36,8 +36,12 @@ SPLIT_SEED, N_VAL, SEED = 123, 10_000, 0
 #: per epsilon: (n_clusters, hist_share, stages, temperature) tried, in tie-break order
 GRID = {0.01: [(c, 1.0, 1, 1.0) for c in (10, 20, 50, 100, 200)],
         0.02: [(c, 1.0, 1, 1.0) for c in (10, 20, 50, 100, 200)],
+        # epsilon 4: the first four ran first; RR's share helped, so the grid was extended (before any
+        # 2,000-cluster figure or any cluster_rr test figure at 4 was seen) by a smaller histogram share,
+        # two stages and a flatter top-k choice at that share
         4.0: [(1000, 1.0, 1, 1.0), (1000, 0.5, 1, 1.0), (1000, 0.25, 1, 1.0), (1000, 0.5, 2, 1.0),
-              (2000, 1.0, 1, 1.0), (2000, 0.5, 1, 1.0)]}
+              (1000, 0.1, 1, 1.0), (1000, 0.25, 2, 1.0), (1000, 0.25, 1, 0.5),
+              (2000, 1.0, 1, 1.0), (2000, 0.5, 1, 1.0), (2000, 0.25, 1, 1.0)]}
 
 
 def ckey(h) -> str:
@@ -94,6 +98,36 @@ def true_label_ceiling(data: ValData) -> float:
     return float((cp.softmax_of(model, data.xv).argmax(1) == data.yv).float().mean())
 
 
+def scatter_cnn_ceiling(data: ValData, epochs: int = 15, seed: int = SEED) -> float:
+    """Tramer & Boneh's small CNN on the ScatterNet features (``scatter_cnn``, 81 x 7 x 7, the standardised
+    features, no GroupNorm) trained on the 50,000 true labels (AdamW 2e-3, batch 256, linear decay): the
+    issue's stretch asks for a stronger head than the linear one; it is one only if this beats ``true_labels``."""
+    import math
+
+    import torch.nn.functional as F
+
+    from dpmech.networks.dpsgd_models import build_feature_model
+
+    x, xv = data.x.reshape(-1, 81, 7, 7), data.xv.reshape(-1, 81, 7, 7)
+    soft = F.one_hot(data.y, 10).float()
+    m = build_feature_model("scatter_cnn", (81, 7, 7), 10, seed=seed, groups=0)
+    opt = torch.optim.AdamW(m.parameters(), lr=2e-3, weight_decay=1e-4)
+    g, n = torch.Generator().manual_seed(seed), x.shape[0]
+    steps = epochs * math.ceil(n / 256)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: max(0.0, 1 - t / steps))
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=g)
+        for s in range(0, n, 256):
+            i = perm[s:s + 256]
+            loss = -(soft[i] * F.log_softmax(m(x[i]), 1)).sum(1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    with torch.no_grad():
+        return float((m(xv).argmax(1) == data.yv).float().mean())
+
+
 def choose(per_eps: dict, eps: float) -> str | None:
     """The grid entry with the best accuracy (ties: the earlier one); None until the grid is complete."""
     keys = [ckey(h) for h in GRID[eps]]
@@ -107,6 +141,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, default=RESULTS / f"{NAME}.json")
     ap.add_argument("--epsilons", type=float, nargs="+", default=list(GRID))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cnn-ceiling", action="store_true",
+                    help="also the scatter_cnn head on the true labels (true_labels_scatter_cnn)")
     args = ap.parse_args(argv)
     for e in args.epsilons:
         if e not in GRID:
@@ -131,6 +167,11 @@ def main(argv=None) -> dict:
         res["true_labels"] = true_label_ceiling(data)
         save()
         log(f"true labels: {res['true_labels'] * 100:.2f}%  {time.perf_counter() - t0:.0f} s")
+    if args.cnn_ceiling and "true_labels_scatter_cnn" not in res:
+        t0 = time.perf_counter()
+        res["true_labels_scatter_cnn"] = scatter_cnn_ceiling(data)
+        save()
+        log(f"scatter_cnn, true labels: {res['true_labels_scatter_cnn'] * 100:.2f}%  {time.perf_counter() - t0:.0f} s")
     for e in args.epsilons:
         ek = f"eps_{e:g}"
         res["grid"][ek] = [ckey(h) for h in GRID[e]]
