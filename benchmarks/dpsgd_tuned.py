@@ -22,6 +22,7 @@ benchmarks/results/dpsgd_mnist_full.json (``scatternet``).
     python benchmarks/dpsgd_tuned.py --rows eps_3 --collect-only
     python benchmarks/dpsgd_tuned.py --docs          # only docs/dpsgd.md's table, from the results file
     python benchmarks/dpsgd_tuned.py --accounting    # only epsilon_total_by_analysis (no training, a minute)
+    python benchmarks/dpsgd_tuned.py --pipelines 3   # three whole pipelines per row (about 3 hours on 2 cores)
 """
 
 from __future__ import annotations
@@ -66,8 +67,14 @@ def run_sweep(row: str) -> None:
 
 
 def _parent_run(client, spec) -> "mlflow.entities.Run":  # noqa: F821
-    """The latest finished parent run of ``spec``'s sweep in the store (the one with a released trial).
-    Both specs share one experiment; a parent run is named after its spec (``<name>-<date>-<id>``)."""
+    """The latest finished parent run of ``spec``'s sweep in the store (the one with a released trial)."""
+    return _parent_runs(client, spec, 1)[0]
+
+
+def _parent_runs(client, spec, n: int) -> list:
+    """The ``n`` latest finished parent runs of ``spec``'s sweep in the store (each with a released trial),
+    newest first: the pipelines of ``--pipelines``. Both specs share one experiment; a parent run is named
+    after its spec (``<name>-<date>-<id>``)."""
     exp = client.get_experiment_by_name(spec.mlflow.experiment)
     if exp is None:
         raise SystemExit(f"no experiment {spec.mlflow.experiment!r} in {tracking_uri()}: run the sweep first")
@@ -75,9 +82,10 @@ def _parent_run(client, spec) -> "mlflow.entities.Run":  # noqa: F821
                               f"attributes.run_name LIKE '{spec.name}-%'",
                               order_by=["attributes.start_time DESC"])
     runs = [r for r in runs if r.info.status == "FINISHED" and "tuning_epsilon" in r.data.metrics]
-    if not runs:
-        raise SystemExit(f"no finished tuning-private sweep with a released trial in {spec.mlflow.experiment!r}")
-    return runs[0]
+    if len(runs) < n:
+        raise SystemExit(f"{len(runs)} finished tuning-private sweep(s) with a released trial in "
+                         f"{spec.mlflow.experiment!r}, {n} asked for: run them first")
+    return runs[:n]
 
 
 def _classifier_state(state: dict) -> dict:
@@ -116,7 +124,33 @@ def _param(value: str):
     return value
 
 
-def collect(row: str) -> dict:
+def collect_pipelines(row: str, n: int) -> dict:
+    """The row over the ``n`` latest whole pipelines (issue 54.2: each ``dpsweep run`` of the spec draws its
+    own secret, so K, the candidates and the noise differ): the newest pipeline's fields as ``collect``
+    writes them, plus ``pipelines``, ``acc_mean`` / ``acc_std`` (sample sd) of the released models'
+    held-out accuracy, and ``pipeline_runs`` (each pipeline's acc, selection score, per-trial and
+    end-to-end epsilon, released configuration, parent run)."""
+    import mlflow
+    import yaml
+
+    from sweeps.spec import validate_spec
+
+    spec = validate_spec(yaml.safe_load(SPECS[row].read_text()))
+    parents = _parent_runs(mlflow.tracking.MlflowClient(tracking_uri()), spec, n)
+    each = [collect(row, parent) for parent in parents]
+    accs = [e["acc"] for e in each]
+    out = dict(each[0])
+    out.update(pipelines=len(each), acc_mean=statistics.fmean(accs),
+               acc_std=statistics.stdev(accs) if len(accs) > 1 else None,
+               pipeline_runs=[{k: e[k] for k in ("acc", "acc_selection", "trial_epsilon", "epsilon_total",
+                                                 "released_config", "parent_run_id")} for e in each])
+    out["met"] = out["acc_mean"] >= TARGETS[row]
+    log(f"{row}: {len(each)} pipeline(s), held-out acc {out['acc_mean']:.4f}"
+        + (f" +- {out['acc_std']:.4f}" if out["acc_std"] is not None else ""))
+    return out
+
+
+def collect(row: str, parent=None) -> dict:
     import mlflow
     import yaml
 
@@ -125,7 +159,7 @@ def collect(row: str) -> dict:
 
     spec = validate_spec(yaml.safe_load(SPECS[row].read_text()))
     client = mlflow.tracking.MlflowClient(tracking_uri())
-    parent = _parent_run(client, spec)
+    parent = parent or _parent_run(client, spec)
     m = parent.data.metrics
     child = client.get_run(parent.data.tags["dpsweep.released_run_id"])
     keys = ("epsilon", "delta", "lr", "max_grad_norm", "batch_size", "epochs", "momentum", "model", "features",
@@ -262,7 +296,12 @@ def main(argv=None) -> None:
     ap.add_argument("--docs", action="store_true", help="only rewrite docs/dpsgd.md's table from the results file")
     ap.add_argument("--accounting", action="store_true",
                     help="only each analysis' end-to-end epsilon (no training): epsilon_total_by_analysis")
+    ap.add_argument("--pipelines", type=int, default=1,
+                    help="whole tuned pipelines per row (each its own secret): runs this many sweeps, then collects "
+                         "the latest this many (acc_mean, acc_std, pipelines)")
     args = ap.parse_args(argv)
+    if args.pipelines < 1:
+        ap.error("--pipelines: must be at least 1")
     if args.docs:
         update_docs()
         return
@@ -272,8 +311,9 @@ def main(argv=None) -> None:
     rows = {}
     for row in args.rows:
         if not args.collect_only:
-            run_sweep(row)
-        rows[row] = collect(row)
+            for _ in range(args.pipelines):
+                run_sweep(row)
+        rows[row] = collect_pipelines(row, args.pipelines)
         rows[row].update(accounting(row, rows[row]["trial_epsilon"]))
     log(f"wrote {write(rows)}")
     update_docs()

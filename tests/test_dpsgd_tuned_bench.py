@@ -39,3 +39,24 @@ def test_classifier_weights_are_taken_from_a_deployed_model_state():
     deployed = {f"1.{k}": v for k, v in linear.items()}
     assert bench._classifier_state(deployed).keys() == linear.keys()
     assert bench._classifier_state(linear).keys() == linear.keys()
+
+
+def test_several_pipelines_are_summarised_as_mean_and_sample_sd(monkeypatch):
+    """Issue 54.2: ``--pipelines N`` collects the N latest whole pipelines (each its own secret) and writes
+    acc_mean, acc_std (sample sd), pipelines and each pipeline's run; ``met`` is judged on the mean."""
+    import statistics
+
+    parents = ["p2", "p1", "p0"]
+    monkeypatch.setattr(bench, "_parent_runs", lambda client, spec, n: parents[:n])
+    accs = {"p0": 0.981, "p1": 0.985, "p2": 0.979}
+    monkeypatch.setattr(bench, "collect", lambda row, parent=None: {
+        "acc": accs[parent], "acc_selection": 0.99, "trial_epsilon": 1.6, "epsilon_total": 3.0,
+        "released_config": {"lr": 1.0}, "parent_run_id": parent, "target": 0.98})
+    out = bench.collect_pipelines("eps_3", 3)
+    assert out["pipelines"] == 3 and out["parent_run_id"] == "p2"
+    assert out["acc_mean"] == statistics.fmean(accs.values())
+    assert out["acc_std"] == statistics.stdev(accs.values())
+    assert [r["parent_run_id"] for r in out["pipeline_runs"]] == parents
+    assert out["met"] is True
+    one = bench.collect_pipelines("eps_3", 1)
+    assert one["pipelines"] == 1 and one["acc_std"] is None and one["acc_mean"] == 0.979 and one["met"] is False
