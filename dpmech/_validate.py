@@ -80,6 +80,17 @@ def choice(name: str, value, options: Iterable[str]) -> str:
     return value
 
 
+def epsilon_or_noise(epsilon, noise_multiplier) -> None:
+    """A DP-SGD-style config's privacy: a positive target ``epsilon`` or a non-negative
+    ``noise_multiplier`` (or neither: non-private), never both."""
+    if epsilon is not None:
+        positive("epsilon", epsilon)
+    if noise_multiplier is not None:
+        non_negative("noise_multiplier", noise_multiplier)
+        if epsilon is not None:
+            raise ValueError("epsilon: give a target epsilon or a noise_multiplier, not both")
+
+
 def matching_checkpoint(saved_config, config: dict) -> None:
     """A trainer's checkpoint is restored only into a trainer built with the same configuration."""
     if saved_config != config:

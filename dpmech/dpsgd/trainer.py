@@ -137,12 +137,7 @@ class DPSGDConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.epsilon is not None:
-            v.positive("epsilon", self.epsilon)
-        if self.noise_multiplier is not None:
-            v.non_negative("noise_multiplier", self.noise_multiplier)
-            if self.epsilon is not None:
-                raise ValueError("epsilon: give a target epsilon or a noise_multiplier, not both")
+        v.epsilon_or_noise(self.epsilon, self.noise_multiplier)
         v.open_unit("delta", self.delta)
         v.positive("max_grad_norm", self.max_grad_norm)
         v.positive_int("batch_size", self.batch_size)

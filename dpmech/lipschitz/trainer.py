@@ -70,12 +70,7 @@ class LipschitzDPConfig:
         self.validate()
 
     def validate(self) -> None:
-        if self.epsilon is not None:
-            v.positive("epsilon", self.epsilon)
-            if self.noise_multiplier is not None:
-                raise ValueError("epsilon: give a target epsilon or a noise_multiplier, not both")
-        if self.noise_multiplier is not None:
-            v.non_negative("noise_multiplier", self.noise_multiplier)
+        v.epsilon_or_noise(self.epsilon, self.noise_multiplier)
         v.open_unit("delta", self.delta)
         v.positive_int("batch_size", self.batch_size)
         v.positive_int("epochs", self.epochs)
