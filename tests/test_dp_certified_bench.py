@@ -417,3 +417,24 @@ def test_the_lipschitz_rows_join_the_table_and_the_figure_as_a_deterministic_cer
     (curve,) = [ln for ln in figs["fig.png"].axes[0].get_lines() if "Lipschitz" in ln.get_label()]
     x, y = curve.get_xdata(), curve.get_ydata()
     assert y[list(x).index(0.5)] == pytest.approx(0.3) and y[list(x).index(1.0)] == pytest.approx(0.1)
+
+
+def test_dp_certs_own_recipe_is_reported_per_n_the_way_dp_cert_reports_it():
+    """Issue 53.1: DP-CERT's recipe (tb_cnn, k 2 as its README's commands, noise multiplier 1.23) run in
+    dpsweep gets a row per N (n_10000, n_100000), each radius the best sigma on the certified images (DP-CERT's
+    own reporting, labelled a tuning choice); other methods' units at the same noise never enter it."""
+    assert bench.METHODS["dpcert_recipe"] == {"augment_multiplicity": 2}
+    units = [_unit("dpcert_recipe", 0.25, s, [93.0 + s, 0.0, 0.0, 0.0], row="dp_cert_noise") for s in (0, 1)]
+    units += [_unit("dpcert_recipe", 0.5, 0, [90.0, 78.0, 45.0, 0.0], row="dp_cert_noise"),
+              _unit("dpcert", 0.5, 0, [99.0, 99.0, 99.0, 99.0], row="dp_cert_noise")]
+    far = dict(_unit("dpcert_recipe", 0.5, 0, [91.0, 80.0, 50.0, 5.0], row="dp_cert_noise"), n=100_000)
+    rows = bench.dpcert_recipe_rows(units + [far])
+    assert set(rows) == {"n_10000", "n_100000"}
+    a = rows["n_10000"]
+    assert a["cert_acc"]["0.5"] == 93.5 and a["config"]["0.5"]["sigma_01"] == 0.25 and a["seeds_per_radius"]["0.5"] == 2
+    assert a["cert_acc"]["1.0"] == 78.0 and a["config"]["1.0"]["sigma_01"] == 0.5      # not the dpcert unit's 99
+    assert "tuning choice" in a["selection"]
+    assert rows["n_100000"]["cert_acc"]["2.0"] == 5.0
+    table = bench.docs_table({"dpcert_recipe": rows})
+    assert "DP-CERT's recipe in dpsweep (tb_cnn, k 2, noise multiplier 1.23)" in table and "N 100,000" in table
+    assert bench.dpcert_recipe_rows(units[-1:]) is None
