@@ -128,6 +128,36 @@ def scatter_cnn_ceiling(data: ValData, epochs: int = 15, seed: int = SEED) -> fl
         return float((m(xv).argmax(1) == data.yv).float().mean())
 
 
+def soft_cnn_heads(data: ValData, eps: float | None) -> dict:
+    """The stretch (issue 54.1): one release of ``cluster_rr`` with the benchmark's settings at ``eps`` on the
+    50,000 (seed 0, seed-0 noise), then both heads on the same posteriors, each scored on the validation
+    images: ``{"linear": acc, "cnn": acc}``; ``eps`` None: the CNN on the true labels (its ceiling)."""
+    import torch.nn.functional as F
+
+    from benchmarks.labeldp_high_privacy import HPARAMS, LINEAR, SOFT_CNN
+    from dpmech.label_dp import cluster_prior as cp
+    from dpmech.label_dp.soft_cnn import SoftCNNConfig, predict_soft_cnn, train_soft_cnn
+    from dpmech.privacy.secret import NoiseKey
+
+    out = {}
+    if eps is None:
+        soft = F.one_hot(data.y, 10).double()
+    else:
+        c, share, stages, temp = HPARAMS[eps]
+        cfg = cp.ClusterRRConfig(n_clusters=c, hist_share=share, stages=stages, temperature=temp,
+                                 linear=cp.LinearConfig(**LINEAR))
+        ledger, info = cp.release_cluster_rr(data.x, cp.PrivateLabels(data.y, 10), eps, cfg, seed=SEED,
+                                             noise_key=NoiseKey.reproducible(1000 + SEED),
+                                             assignment=data.assignment(cfg, SEED))
+        assert abs(ledger.epsilon() - eps) < 1e-9 and ledger.delta() == 0.0
+        soft = info["soft_labels"]
+        lin = cp.train_linear(data.x, soft, cfg.linear, cp.derive_seed(SEED, 20))
+        out["linear"] = float((cp.softmax_of(lin, data.xv).argmax(1) == data.yv).float().mean())
+    cnn = train_soft_cnn(data.x, soft, SoftCNNConfig(**SOFT_CNN), cp.derive_seed(SEED, 30))
+    out["cnn"] = float((predict_soft_cnn(cnn, data.xv) == data.yv).float().mean())
+    return out
+
+
 def choose(per_eps: dict, eps: float) -> str | None:
     """The grid entry with the best accuracy (ties: the earlier one); None until the grid is complete."""
     keys = [ckey(h) for h in GRID[eps]]
@@ -143,6 +173,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cnn-ceiling", action="store_true",
                     help="also the scatter_cnn head on the true labels (true_labels_scatter_cnn)")
+    ap.add_argument("--soft-cnn", type=float, nargs="*", default=None,
+                    help="the stretch: cluster_rr's release at these epsilons, linear head vs soft_cnn head (soft_cnn); "
+                         "the CNN on the true labels first")
     args = ap.parse_args(argv)
     for e in args.epsilons:
         if e not in GRID:
@@ -172,6 +205,19 @@ def main(argv=None) -> dict:
         res["true_labels_scatter_cnn"] = scatter_cnn_ceiling(data)
         save()
         log(f"scatter_cnn, true labels: {res['true_labels_scatter_cnn'] * 100:.2f}%  {time.perf_counter() - t0:.0f} s")
+    if args.soft_cnn is not None:
+        from benchmarks.labeldp_high_privacy import SOFT_CNN
+
+        sc = res.setdefault("soft_cnn", {"settings": SOFT_CNN})
+        for e in [None, *args.soft_cnn]:
+            k = "true_labels" if e is None else f"eps_{e:g}"
+            if k in sc:
+                continue
+            t0 = time.perf_counter()
+            sc[k] = soft_cnn_heads(data, e)
+            save()
+            log(f"[soft_cnn {k}] " + ", ".join(f"{h} {a * 100:.2f}%" for h, a in sc[k].items())
+                + f"  {time.perf_counter() - t0:.0f} s")
     for e in args.epsilons:
         ek = f"eps_{e:g}"
         res["grid"][ek] = [ckey(h) for h in GRID[e]]

@@ -338,3 +338,55 @@ def test_new_hyperparameters_are_the_validation_splits_choice():
     tie = {val.ckey(h): 0.5 for h in val.GRID[0.01]}
     assert val.choose(tie, 0.01) == first and val.choose({**tie, second: 0.6}, 0.01) == second
     assert val.choose({first: 0.9}, 0.01) is None                                # an incomplete grid chooses nothing
+
+
+# --------------------------------------------------------------------------- the CNN head (issue 54.1's stretch)
+
+
+def test_soft_cnn_learns_soft_labels_deterministically_and_refuses_bad_input():
+    from dpmech.label_dp.soft_cnn import SoftCNNConfig, predict_soft_cnn, train_soft_cnn
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 3, (300,), generator=g)
+    centres = torch.randn(3, 4 * 7 * 7, generator=g)
+    x = centres[y] + torch.randn(300, 4 * 7 * 7, generator=g)
+    soft = torch.full((300, 3), 0.1).scatter_(1, y[:, None], 0.8)       # soft labels, mass 0.8 on the truth
+    cfg = SoftCNNConfig(epochs=6, batch_size=32, lr=5e-3, width=4, hidden=16, dropout=0.1)
+    state = torch.random.get_rng_state()
+    m1 = train_soft_cnn(x, soft, cfg, seed=3, feature_shape=(4, 7, 7))
+    assert torch.equal(torch.random.get_rng_state(), state)             # the global RNG is untouched
+    m2 = train_soft_cnn(x, soft, cfg, seed=3, feature_shape=(4, 7, 7))
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+    assert float((predict_soft_cnn(m1, x) == y).float().mean()) > 0.9
+    # control: labels that carry nothing (uniform) leave it at chance
+    m0 = train_soft_cnn(x, torch.full((300, 3), 1 / 3), cfg, seed=3, feature_shape=(4, 7, 7))
+    assert float((predict_soft_cnn(m0, x) == y).float().mean()) < 0.6
+    with pytest.raises(ValueError, match=r"^feats must be \[N, 196\]"):
+        train_soft_cnn(x[:, :10], soft, cfg, seed=0, feature_shape=(4, 7, 7))
+    with pytest.raises(ValueError, match="dropout"):
+        SoftCNNConfig(dropout=1.0)
+
+
+def test_cluster_rr_cnn_is_cluster_rrs_release_with_another_head(tmp_path, monkeypatch):
+    """Same seed, same noise: the two units' ledgers are the same release; only the head differs. The CNN is
+    run only where the validation split showed a gain (the figures in the committed validation JSON)."""
+    from benchmarks import labeldp_high_privacy as bench
+    from benchmarks import labeldp_high_privacy_validation as val
+
+    validation = json.loads(bench.VALIDATION.read_text())
+    res = validation["soft_cnn"]
+    assert res["settings"] == bench.SOFT_CNN
+    gains = tuple(float(k[4:]) for k, r in res.items() if k.startswith("eps_") and r["cnn"] > r["linear"])
+    assert gains == bench.METHOD_EPSILONS["cluster_rr_cnn"] == (4.0,)
+    assert res["true_labels"]["cnn"] > validation["true_labels"]          # a stronger head than the linear one
+    assert val.ckey(bench.HPARAMS[4.0]) == validation["chosen"]["eps_4"]
+    monkeypatch.setitem(bench.HPARAMS, 4.0, (12, 0.25, 2, 1.0))
+    monkeypatch.setitem(bench.SOFT_CNN, "epochs", 2)
+    out = tmp_path / "hp.json"
+    bench.main(["--out", str(out), "--epsilons", "4", "--seeds", "0", "--train-size", "600", "--test-size", "200",
+                "--methods", "cluster_rr", "cluster_rr_cnn"])
+    runs = json.loads(out.read_text())["runs"]
+    a, b = runs["cluster_rr/eps_4/seed0"], runs["cluster_rr_cnn/eps_4/seed0"]
+    assert a["ledger"] == b["ledger"] and b["epsilon_reported"] == 4.0 and b["delta"] == 0.0
+    assert b["hyperparameters"]["head"]["epochs"] == 2 and "head" not in a["hyperparameters"]
+    assert ("cluster_rr_cnn", 2.0, 0) not in bench.units()                 # not where it lost on validation

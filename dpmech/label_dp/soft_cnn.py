@@ -1,0 +1,109 @@
+"""A CNN on ScatterNet features trained on released soft labels (issue 54.1's stretch; docs/label_dp.md,
+"High privacy").
+
+``cluster_rr`` trains a linear head on the posteriors of its released labels; this is a stronger head
+for the same release, in the spirit of Ghazi et al. 2021 ("Deep learning with label differential
+privacy", NeurIPS), who train a deep network on the labels RRWithPrior releases. Training on released
+labels and public images is post-processing (Dwork & Roth 2014, Prop. 2.1): it reads no label and
+changes no epsilon; the ledger stays the release's.
+
+The network (:class:`ScatterSoftCNN`) takes the standardised ScatterNet features as K x 7 x 7 maps (81
+channels for MNIST's J 2, L 8): conv 3x3 ``width`` -> ReLU -> conv 3x3 stride 2 ``2 width`` -> ReLU ->
+dropout -> FC ``hidden`` -> ReLU -> dropout -> FC classes. Trained with AdamW on the soft-label
+cross-entropy ``-sum_k q_k log softmax_k``, the rate decaying linearly to 0 (as :class:`LinearRun`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dpmech import _validate as v
+
+__all__ = ["SoftCNNConfig", "ScatterSoftCNN", "train_soft_cnn", "predict_soft_cnn"]
+
+
+@dataclass
+class SoftCNNConfig:
+    """The head's settings (chosen on the validation split; benchmarks/labeldp_high_privacy_validation.py)."""
+
+    epochs: int = 10
+    batch_size: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    width: int = 64
+    hidden: int = 256
+    dropout: float = 0.3
+
+    def __post_init__(self):
+        v.positive_int("epochs", self.epochs)
+        v.positive_int("batch_size", self.batch_size)
+        v.positive("lr", self.lr)
+        v.non_negative("weight_decay", self.weight_decay)
+        v.positive_int("width", self.width)
+        v.positive_int("hidden", self.hidden)
+        v.unit_interval("dropout", self.dropout, high_open=True)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ScatterSoftCNN(nn.Module):
+    """conv(K -> w) -> ReLU -> conv(w -> 2w, stride 2) -> ReLU -> FC hidden -> ReLU -> FC classes."""
+
+    def __init__(self, feature_shape: tuple[int, int, int], num_classes: int, cfg: SoftCNNConfig):
+        super().__init__()
+        k, h, w = (int(s) for s in feature_shape)
+        self.shape = (k, h, w)
+        hh, ww = (h + 1) // 2, (w + 1) // 2
+        self.net = nn.Sequential(
+            nn.Conv2d(k, cfg.width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(cfg.width, 2 * cfg.width, 3, stride=2, padding=1), nn.ReLU(),
+            nn.Flatten(), nn.Dropout(cfg.dropout), nn.Linear(2 * cfg.width * hh * ww, cfg.hidden), nn.ReLU(),
+            nn.Dropout(cfg.dropout), nn.Linear(cfg.hidden, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.reshape(x.shape[0], *self.shape))
+
+
+def train_soft_cnn(feats: torch.Tensor, soft: torch.Tensor, cfg: SoftCNNConfig, seed: int,
+                   feature_shape: tuple[int, int, int] = (81, 7, 7)) -> ScatterSoftCNN:
+    """``cfg.epochs`` epochs on (standardised features [N, K*h*w], soft labels [N, C]); initialisation and
+    batch order from ``seed`` (public randomness), the global RNG untouched."""
+    if feats.dim() != 2 or feats.shape[1] != math.prod(feature_shape):
+        raise ValueError(f"feats must be [N, {math.prod(feature_shape)}] (feature_shape {tuple(feature_shape)}), "
+                         f"got {list(feats.shape)}")
+    if soft.shape[0] != feats.shape[0]:
+        raise ValueError(f"soft must have one row per example ({feats.shape[0]}), got {soft.shape[0]}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        model = ScatterSoftCNN(feature_shape, soft.shape[1], cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        n = feats.shape[0]
+        steps = cfg.epochs * math.ceil(n / cfg.batch_size)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: max(0.0, 1.0 - t / steps))
+        gen = torch.Generator().manual_seed(int(seed))
+        soft = soft.float()
+        model.train()
+        for _ in range(cfg.epochs):
+            perm = torch.randperm(n, generator=gen)
+            for s in range(0, n, cfg.batch_size):
+                idx = perm[s:s + cfg.batch_size]
+                loss = -(soft[idx] * F.log_softmax(model(feats[idx]), 1)).sum(1).mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def predict_soft_cnn(model: ScatterSoftCNN, feats: torch.Tensor) -> torch.Tensor:
+    """The predicted class of every row (eval mode, batches of 4,096)."""
+    model.eval()
+    return torch.cat([model(feats[s:s + 4096]).argmax(1) for s in range(0, feats.shape[0], 4096)])
