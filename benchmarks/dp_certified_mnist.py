@@ -1065,7 +1065,7 @@ def docs_table(summary: dict) -> str:
             cells.append(f"{v:.1f}" + (f" +- {sd:.1f}" if sd is not None else "")
                          + f" ({c['method']}, sigma_01 {c['sigma_01']}, {_seeds(lfl, r)}; DP-CERT {dp}: "
                          + ("at or above" if v >= dp else "below") + ")")
-        eps = "" if lfl["epsilon_delta_1e-6"] is None else f" (eps {lfl['epsilon_delta_1e-6']:.2f} at delta 1e-6)"
+        eps = "" if lfl["epsilon_delta_1e-6"] is None else f" (eps {lfl['epsilon_delta_1e-6']:.3f} at delta 1e-6)"
         rows.append(f"| like for like with DP-CERT: noise multiplier {DP_CERT_NOISE_MULTIPLIER:g}{eps} | "
                     + " | ".join(cells) + f" | N {lfl['n']:,}, {lfl['images']} images | {_selection(lfl)} |")
     for nkey, e in (summary.get("dpcert_recipe") or {}).items():   # issue 53.1: DP-CERT's recipe in dpsweep
