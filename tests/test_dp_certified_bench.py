@@ -150,6 +150,13 @@ def test_dp_certs_noise_multiplier_is_a_row_of_its_own_without_a_target():
     ledger = PrivacyLedger()
     ledger.record(512 / 60000, 1.23, 40 * 118)
     assert ledger.epsilon(1e-6, "rdp") == pytest.approx(2.90, abs=0.01)
+    # the cross-check issue 53.1 asks for: dp-accounting's RDP accountant on the same event gives the same epsilon
+    import dp_accounting as dpa
+
+    event = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(512 / 60000, dpa.GaussianDpEvent(1.23)), 40 * 118)
+    acc = dpa.rdp.RdpAccountant()
+    acc.compose(event)
+    assert ledger.epsilon(1e-6, "rdp") == pytest.approx(acc.get_epsilon(1e-6), rel=1e-3)
     assert "noise multiplier" not in bench.docs_table({})                # listed only once run
 
 
