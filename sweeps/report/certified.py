@@ -431,14 +431,16 @@ def radius_records(sweep: Sweep, refs=(), radii01=RADII_01, best: dict | None = 
     return records
 
 
-def radius_table(sweep: Sweep, refs=(), radii01=RADII_01, best: dict | None = None) -> list[dict]:
+def radius_table(sweep: Sweep, refs=(), radii01=RADII_01, best: dict | None = None,
+                 records: list[dict] | None = None) -> list[dict]:
     """Certified accuracy (%) at ``radii01`` ([0, 1] domain; the column names say both domains), for
     the page: a row per configuration (mean ± sd over its repeats, n; one that did not learn flagged), a
     row per family's envelope (each cell names the configuration that gives it: a tuning choice on the
-    certified images), and the published anchors of the spec's reference block (``radius_records``)."""
+    certified images), and the published anchors of the spec's reference block (``radius_records``, or
+    ``records`` already computed at ``radii01``)."""
     cols = radius_columns(radii01)
     rows = []
-    for rec in radius_records(sweep, refs, radii01, best):
+    for rec in records if records is not None else radius_records(sweep, refs, radii01, best):
         row = {"configuration": rec["configuration"] + (" [best]" if rec["best"] else ""),
                "epsilon protects": rec["protects"]}
         if rec["kind"] == "configuration":
@@ -515,7 +517,7 @@ def certified_radius_section(sweep: Sweep, refs, out: Path, best: dict | None = 
         w = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in csv_rows for k in r)))
         w.writeheader()
         w.writerows(csv_rows)
-    rows = radius_table(sweep, refs, radii01, best)
+    rows = radius_table(sweep, refs, radii01, best, records)
     trainables = list(dict.fromkeys(g["trainable"] for g in smoothing_groups(sweep)))
     protects = "; ".join(p for p in (protects_long(t) for t in trainables) if p)
     chance = (" A configuration flagged `did not learn` has a repeat whose model stayed at chance accuracy "
