@@ -27,8 +27,10 @@ Two analyses apply to that procedure and are computed here:
     base mechanism. The identity is proved here and checked by brute force
     (tests/test_tuning_analyses.py); we do not attribute its exact form to a paper.
 
-Not implemented as a charged bound (docs/tuning_privacy.md, "Analyses not shipped"): Koskela &
-Kulkarni (NeurIPS 2023) and Xiang et al. (NDSS 2026), whose full texts could not be read here.
+Tuning on a secret subset and training once on everything (the procedure of Koskela & Kulkarni,
+NeurIPS 2023) is a different procedure with its own accounting: :mod:`dpmech.privacy.subset_tuning`.
+Not implemented (docs/tuning_privacy.md, "Analyses not shipped"): Xiang et al. (NDSS 2026), whose full
+text could not be read here.
 """
 
 from __future__ import annotations
