@@ -399,6 +399,11 @@ def test_evaluate_reports_both_certifiers_and_logs_the_smoothing_table(pixeldp_i
         assert key in m, key
     res = final["smoothing"]
     assert final["certification"] is not None and len(res.radius) == cfg.certify_images
+    assert m["certified_images"] == cfg.certify_images
+    # fewer evaluation images than certify_images (the default 500 on a small test split): the metric
+    # says how many were certified, not the configured number
+    fewer = evaluate(mech, cfg.model_copy(update={"certifier": "default"}), xt[:4], yt[:4])["metrics"]
+    assert fewer["certified_images"] == 4 and cfg.certify_images > 4
     assert res.sigma == mech.model.noise.scale and res.n == cfg.certify_n and res.n0 == cfg.smoothing_n0
     assert m["smooth_cert_acc_0"] == pytest.approx(np.mean(res.correct & ~res.abstained))
     assert m["smooth_cert_acc_0"] >= m["smooth_cert_acc_0.1"] >= m["smooth_cert_acc_0.3"]

@@ -557,6 +557,9 @@ def evaluate(mech: Mechanism, cfg: CommonConfig, xt: torch.Tensor, yt: torch.Ten
     result = smooth = None
     if cfg.certify_images > 0:
         k = min(cfg.certify_images, xt.shape[0])
+        # the images certified: certify_images, or fewer when the evaluation split is smaller (the
+        # default 500 on a small test_size; an explicit oversize value is refused at validation)
+        metrics["certified_images"] = int(k)
         if cfg.certifier in ("default", "both"):
             result = mech.certify(xt[:k], yt[:k], cfg)
             if result is not None:
