@@ -23,6 +23,7 @@ benchmarks/results/dpsgd_mnist_full.json (``scatternet``).
     python benchmarks/dpsgd_tuned.py --docs          # only docs/dpsgd.md's table, from the results file
     python benchmarks/dpsgd_tuned.py --accounting    # only epsilon_total_by_analysis (no training, a minute)
     python benchmarks/dpsgd_tuned.py --pipelines 3   # three whole pipelines per row (about 3 hours on 2 cores)
+    python benchmarks/dpsgd_tuned.py --audit         # one audited pipeline per row: the released model's audit
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ def tracking_uri() -> str:
     return f"sqlite:///{STORE / 'mlflow.db'}"
 
 
-def run_sweep(row: str) -> None:
+def run_sweep(row: str, extra: tuple[str, ...] = ()) -> None:
     STORE.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "sweeps.cli", "run", str(SPECS[row]), "--tracking-uri", tracking_uri(),
-           "--storage", str(STORE / "ray")]
+           "--storage", str(STORE / "ray"), *extra]
     log(f"{row}: {' '.join(cmd)}")
     subprocess.run(cmd, cwd=ROOT, check=True)
 
@@ -202,7 +203,64 @@ def collect(row: str, parent=None) -> dict:
     return out
 
 
-def accounting(row: str, ran_trial_epsilon: float | None) -> dict:
+# the pipeline audit (issue 54.2): white-box engine canaries in every candidate, fixed before any run
+# (as benchmarks/mia_mnist.py's audit of the same engine): 1,000 canaries, Steinke et al.'s and the
+# f-DP estimator at 95%, a fifth of the canaries guessed
+AUDIT = {"mode": "whitebox", "canaries": 1000, "estimator": ["steinke", "fdp"], "confidence": 0.95,
+         "guess_fraction": 0.2}
+
+
+def audit_name(row: str) -> str:
+    return f"{SPECS[row].stem}_audit"
+
+
+def audit_overrides(row: str) -> tuple[str, ...]:
+    """``dpsweep run`` arguments of the audited pipeline: the spec as shipped plus the audit, under its
+    own name and experiment (the headline's parent runs stay apart)."""
+    return ("--set", f"common.audit={json.dumps(AUDIT)}", "--name", audit_name(row))
+
+
+def collect_audit(row: str) -> dict:
+    """The white-box audit of the *released* model of the latest audited pipeline (issue 54.2).
+
+    Every candidate of a tuning-private sweep has the same public seed (issue 48.1), hence the same
+    canaries and the same inclusion coins: the pipeline (train K candidates on D plus the included
+    canaries, release the best) is one mechanism of D, and the released trial's one-run audit is an
+    audit of that mechanism as a whole. Its lower bound may not exceed any sound analysis' end-to-end
+    epsilon (an audit above one refutes that analysis); it is printed beside each and beside one
+    candidate's epsilon."""
+    import mlflow
+
+    from sweeps.spec import load_spec
+
+    overrides = (f"common.audit={json.dumps(AUDIT)}", f"name={json.dumps(audit_name(row))}",
+                 f"mlflow.experiment={json.dumps(audit_name(row))}")
+    spec = load_spec(str(SPECS[row]), overrides)
+    client = mlflow.tracking.MlflowClient(tracking_uri())
+    parent = _parent_run(client, spec)
+    child = client.get_run(parent.data.tags["dpsweep.released_run_id"])
+    siblings = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    seeds = {r.data.params.get("seed") for r in siblings}
+    if len(seeds) != 1:
+        raise SystemExit(f"{row}: the audited candidates ran with different seeds {sorted(map(str, seeds))}: their "
+                         "canaries differ, so the released trial's audit is not an audit of the pipeline")
+    m = child.data.metrics
+    trial_epsilon = float(child.data.params["epsilon"])
+    by = accounting(row, trial_epsilon, overrides)["epsilon_total_by_analysis"]   # the audited spec's own
+    out = {"audit_lb": m.get("audit_epsilon_lb"), "audit_lb_steinke": m.get("audit_epsilon_lb_steinke"),
+           "audit_lb_fdp": m.get("audit_epsilon_lb_fdp"), "audit_delta": m.get("audit_delta"),
+           "audit_settings": AUDIT, "audit_engine_canaries": m.get("audit_engine_canaries"),
+           "audit_trial_epsilon": trial_epsilon, "audit_epsilon_total_by_analysis": by,
+           "audit_refutes": sorted(a for a, e in by.items() if (m.get("audit_epsilon_lb") or 0.0) > e),
+           "audit_parent_run_id": parent.info.run_id}
+    log(f"{row}: released model's audit lower bound {out['audit_lb']} (Steinke {out['audit_lb_steinke']}, f-DP "
+        f"{out['audit_lb_fdp']}) against one candidate's epsilon {trial_epsilon:.3f} and the pipeline's "
+        + ", ".join(f"{k} {v:.3f}" for k, v in by.items()))
+    return out
+
+
+def accounting(row: str, ran_trial_epsilon: float | None, overrides: tuple[str, ...] = ()) -> dict:
     """What each analysis charges (issue 54.2; docs/tuning_privacy.md), accounting only, no training:
     ``epsilon_total_by_analysis``, the end-to-end epsilon of the same release (every candidate at the
     per-trial epsilon the recorded sweep ran at, else at today's calibration) under each analysis
@@ -215,7 +273,7 @@ def accounting(row: str, ran_trial_epsilon: float | None) -> dict:
     from sweeps.spec import load_spec
     from sweeps.spec.tuning import epsilon_by_analysis_at
 
-    spec = load_spec(str(SPECS[row]))
+    spec = load_spec(str(SPECS[row]), overrides)
     today = float(spec.trainables[0].search["epsilon"])          # the charged calibration of today's code
     e = ran_trial_epsilon if ran_trial_epsilon is not None else today
     by = epsilon_by_analysis_at(spec, e)
@@ -296,6 +354,9 @@ def main(argv=None) -> None:
     ap.add_argument("--docs", action="store_true", help="only rewrite docs/dpsgd.md's table from the results file")
     ap.add_argument("--accounting", action="store_true",
                     help="only each analysis' end-to-end epsilon (no training): epsilon_total_by_analysis")
+    ap.add_argument("--audit", action="store_true",
+                    help="run one audited pipeline per row (white-box canaries in every candidate) and write the "
+                         "released model's audit lower bound (tuned.eps_<e>.audit_lb); --collect-only reads it")
     ap.add_argument("--pipelines", type=int, default=1,
                     help="whole tuned pipelines per row (each its own secret): runs this many sweeps, then collects "
                          "the latest this many (acc_mean, acc_std, pipelines)")
@@ -307,6 +368,16 @@ def main(argv=None) -> None:
         return
     if args.accounting:
         log(f"wrote {write_accounting(args.rows)}")
+        return
+    if args.audit:
+        path = RESULTS / f"{NAME}.json"
+        payload = read_result(path) or {"benchmark": NAME}
+        for row in args.rows:
+            if not args.collect_only:
+                run_sweep(row, audit_overrides(row))
+            payload.setdefault("tuned", {}).setdefault(row, {}).update(collect_audit(row))
+        payload["environment"] = environment(torch.device("cpu"))
+        log(f"wrote {write_result(NAME, payload, out=path)}")
         return
     rows = {}
     for row in args.rows:

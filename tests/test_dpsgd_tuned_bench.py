@@ -60,3 +60,19 @@ def test_several_pipelines_are_summarised_as_mean_and_sample_sd(monkeypatch):
     assert out["met"] is True
     one = bench.collect_pipelines("eps_3", 1)
     assert one["pipelines"] == 1 and one["acc_std"] is None and one["acc_mean"] == 0.979 and one["met"] is False
+
+
+def test_the_audited_pipeline_is_the_shipped_spec_plus_the_audit_under_its_own_name():
+    """The audit's spec differs from the headline's by the audit alone (the same space, K distribution
+    and target), and runs under its own name and experiment so the headline's pipelines stay apart."""
+    import yaml
+
+    from sweeps.spec.sweep_spec import apply_overrides
+
+    args = bench.audit_overrides("eps_3")
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    name = args[args.index("--name") + 1]
+    raw = yaml.safe_load(bench.SPECS["eps_3"].read_text())
+    audited = apply_overrides(raw, sets)
+    assert audited["common"].pop("audit") == bench.AUDIT and audited == raw
+    assert bench.AUDIT["mode"] == "whitebox" and name == "dpsgd_mnist_scatternet_tuned_eps3_audit"
