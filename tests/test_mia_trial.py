@@ -39,6 +39,7 @@ def _run(monkeypatch, config: dict) -> list[dict]:
 
 
 def test_mia_trial_attacks_its_model_and_shares_references(monkeypatch, tmp_path):
+    import dpmech.privacy.mia.attacks  # noqa: F401 - bound to the real MembershipGame before the spy replaces it
     import dpmech.privacy.mia.game as mia_lib
     from dpmech.privacy.secret import NoiseKey
 
@@ -80,6 +81,7 @@ def test_mia_trial_attacks_its_model_and_shares_references(monkeypatch, tmp_path
 def test_secret_trials_draw_the_membership_from_their_secret_key(monkeypatch, tmp_path):
     """noise_source secret: the membership follows the trial's derived secret key (another sweep
     key: another draw), not the public seed."""
+    import dpmech.privacy.mia.attacks  # noqa: F401 - bound to the real MembershipGame before the spy replaces it
     import dpmech.privacy.mia.game as mia_lib
     from dpmech.privacy.secret import NoiseKey
     from trainables.dpsgd import DPSGDMechanism, DPSGDTrialConfig

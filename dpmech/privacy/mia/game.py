@@ -35,6 +35,31 @@ class MembershipHidden(AttributeError):
     """An attack asked an :class:`AttackView` for something it does not hold (the membership above all)."""
 
 
+@torch.no_grad()
+def batched_outputs(model, x: torch.Tensor, batch_size: int, who: str = "target") -> torch.Tensor:
+    """``model``'s outputs [N, classes] on ``x`` in batches of ``batch_size``: eval mode for the
+    duration (restored after), no gradients, on the model's device, returned as float on the CPU.
+    ``who`` names the caller in the one-line error on a malformed input or output."""
+    if not callable(model):
+        raise ValueError(f"{who}: the model must be callable (inputs -> logits), got {type(model).__name__}")
+    if not torch.is_tensor(x) or x.dim() < 2:
+        raise ValueError(f"{who}: x must be a tensor [N, ...], got {type(x).__name__}")
+    training = getattr(model, "training", None)
+    if training:
+        model.eval()
+    try:
+        first = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
+        device = first.device if first is not None else x.device
+        out = [model(x[i:i + batch_size].to(device)).detach().float().cpu() for i in range(0, x.shape[0], batch_size)]
+    finally:
+        if training:
+            model.train()
+    logits = torch.cat(out) if out else torch.empty(0)
+    if logits.dim() != 2 or logits.shape[0] != x.shape[0]:
+        raise ValueError(f"{who}: expected outputs [N, classes] for {x.shape[0]} inputs, got {tuple(logits.shape)}")
+    return logits
+
+
 class _TargetOracle:
     """Black-box access to the target: logits of a batch of inputs (eval mode, no gradients)."""
 
@@ -46,25 +71,10 @@ class _TargetOracle:
         self._model = model
         self._batch_size = batch_size
 
-    @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_tensor(x) or x.dim() < 2:
             raise ValueError(f"query: x must be a tensor [N, ...], got {type(x).__name__}")
-        model = self._model
-        training = getattr(model, "training", None)
-        if training:
-            model.eval()
-        try:
-            first = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
-            device = first.device if first is not None else x.device
-            out = [model(x[i:i + self._batch_size].to(device)).detach().float().cpu()
-                   for i in range(0, x.shape[0], self._batch_size)]
-        finally:
-            if training:
-                model.train()
-        logits = torch.cat(out) if out else torch.empty(0)
-        if logits.dim() != 2 or logits.shape[0] != x.shape[0]:
-            raise ValueError(f"target: expected logits [N, classes] for {x.shape[0]} inputs, got {tuple(logits.shape)}")
+        logits = batched_outputs(self._model, x, self._batch_size, "target")
         if not torch.isfinite(logits).all():
             raise ValueError("target: its logits must be finite")
         return logits

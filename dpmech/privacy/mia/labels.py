@@ -47,6 +47,7 @@ from scipy.optimize import brentq
 from scipy.stats import binom
 
 from dpmech import _validate as v
+from dpmech.privacy.mia.game import batched_outputs
 
 
 @dataclass(frozen=True)
@@ -129,24 +130,7 @@ def label_guess_outputs(model, x: torch.Tensor, *, batch_size: int = 1000) -> to
     """The attack's whole view: the released ``model``'s outputs [n, K] on the audited inputs ``x``
     (eval mode, no gradients, on CPU). It takes no label: the guess is the output's most likely class
     (:func:`label_inference`), and the true labels only score it."""
-    if not callable(model) or not torch.is_tensor(x) or x.dim() < 2:
-        raise ValueError("label_guess_outputs: model must be callable and x a tensor [n, ...]")
-    training = getattr(model, "training", False)
-    if training:
-        model.eval()
-    try:
-        params = next(iter(model.parameters()), None) if isinstance(model, torch.nn.Module) else None
-        device = params.device if params is not None else x.device
-        with torch.no_grad():
-            out = torch.cat([model(x[s:s + batch_size].to(device)).detach().float().cpu()
-                             for s in range(0, x.shape[0], batch_size)])
-    finally:
-        if training:
-            model.train()
-    if out.dim() != 2 or out.shape[0] != x.shape[0]:
-        raise ValueError(f"label_guess_outputs: expected outputs [n, classes] for {x.shape[0]} inputs, "
-                         f"got {tuple(out.shape)}")
-    return out
+    return batched_outputs(model, x, batch_size, "label_guess_outputs")
 
 
 class LabelGame:
