@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import RESULTS, environment, log  # noqa: E402
+from dpmech.privacy.subset_tuning import SUBSET_TUNING  # noqa: E402
 
 NAME = "dpsgd_tuned"
 DELTA = 1e-5
@@ -200,7 +201,7 @@ def row_result(row: str, runs: list[dict]) -> dict:
     mean = statistics.fmean(accs)
     return {"acc_mean": mean, "acc_std": statistics.stdev(accs) if len(accs) > 1 else None, "pipelines": len(runs),
             "accs": accs, "acc_n": runs[0]["acc_n"], "epsilon_total": acct["epsilon"], "delta": DELTA,
-            "analysis": "subset_tuning", "tuning_epsilon": acct["tuning_epsilon"],
+            "analysis": SUBSET_TUNING, "tuning_epsilon": acct["tuning_epsilon"],
             "final_epsilon": acct["final_epsilon"], "rate": rate, "candidate_epsilon": cand_eps,
             "distribution": DISTRIBUTION, "expected_candidates": MEAN, "target_epsilon": target,
             "released_configs": [r["released_config"] for r in runs], "target": acc_target, "met": mean >= acc_target}

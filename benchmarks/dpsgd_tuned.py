@@ -214,10 +214,13 @@ def audit_name(row: str) -> str:
     return f"{SPECS[row].stem}_audit"
 
 
+AUDIT_SET = f"common.audit={json.dumps(AUDIT)}"
+
+
 def audit_overrides(row: str) -> tuple[str, ...]:
     """``dpsweep run`` arguments of the audited pipeline: the spec as shipped plus the audit, under its
     own name and experiment (the headline's parent runs stay apart)."""
-    return ("--set", f"common.audit={json.dumps(AUDIT)}", "--name", audit_name(row))
+    return ("--set", AUDIT_SET, "--name", audit_name(row))
 
 
 def collect_audit(row: str) -> dict:
@@ -233,7 +236,7 @@ def collect_audit(row: str) -> dict:
 
     from sweeps.spec import load_spec
 
-    overrides = (f"common.audit={json.dumps(AUDIT)}", f"name={json.dumps(audit_name(row))}",
+    overrides = (AUDIT_SET, f"name={json.dumps(audit_name(row))}",   # what --name sets (sweeps.cli)
                  f"mlflow.experiment={json.dumps(audit_name(row))}")
     spec = load_spec(str(SPECS[row]), overrides)
     client = mlflow.tracking.MlflowClient(tracking_uri())
