@@ -41,7 +41,12 @@ GRID = {0.01: [(c, 1.0, 1, 1.0) for c in (10, 20, 50, 100, 200)],
         # two stages and a flatter top-k choice at that share
         4.0: [(1000, 1.0, 1, 1.0), (1000, 0.5, 1, 1.0), (1000, 0.25, 1, 1.0), (1000, 0.5, 2, 1.0),
               (1000, 0.1, 1, 1.0), (1000, 0.25, 2, 1.0), (1000, 0.25, 1, 0.5),
-              (2000, 1.0, 1, 1.0), (2000, 0.5, 1, 1.0), (2000, 0.25, 1, 1.0)]}
+              (2000, 1.0, 1, 1.0), (2000, 0.5, 1, 1.0), (2000, 0.25, 1, 1.0)],
+        # epsilon 2 (session 22): the shipped choice (histograms only, chosen on this split among cluster
+        # counts) missed its target on the test set; epsilon 4's finding (RR's share pays once the
+        # histograms saturate) is tried at 2 with the same shares and stages, fixed before any of them ran
+        2.0: [(1000, 1.0, 1, 1.0), (1000, 0.5, 1, 1.0), (1000, 0.25, 1, 1.0), (1000, 0.5, 2, 1.0),
+              (1000, 0.25, 2, 1.0)]}
 
 
 def ckey(h) -> str:
@@ -209,14 +214,20 @@ def main(argv=None) -> dict:
         from benchmarks.labeldp_high_privacy import SOFT_CNN
 
         sc = res.setdefault("soft_cnn", {"settings": SOFT_CNN})
+        from benchmarks.labeldp_high_privacy import HPARAMS
+
         for e in [None, *args.soft_cnn]:
             k = "true_labels" if e is None else f"eps_{e:g}"
-            if k in sc:
+            config = None if e is None else ckey(HPARAMS[e])
+            old = sc.get(k)
+            if old is not None and old.get("config") == config:
                 continue
+            if old is not None:             # the benchmark's settings at e changed since: keep the old heads beside
+                sc[f"{k}@{old.get('config')}"] = old
             t0 = time.perf_counter()
-            sc[k] = soft_cnn_heads(data, e)
+            sc[k] = soft_cnn_heads(data, e) if e is None else {**soft_cnn_heads(data, e), "config": config}
             save()
-            log(f"[soft_cnn {k}] " + ", ".join(f"{h} {a * 100:.2f}%" for h, a in sc[k].items())
+            log(f"[soft_cnn {k}] " + ", ".join(f"{h} {a * 100:.2f}%" for h, a in sc[k].items() if h != "config")
                 + f"  {time.perf_counter() - t0:.0f} s")
     for e in args.epsilons:
         ek = f"eps_{e:g}"
