@@ -201,12 +201,15 @@ def doc_table(result: dict) -> str:
             "—" if e not in PUBLISHED[m] else f"{PUBLISHED[m][e] * 100:.{digits}f}" for e in EPSILONS) + " |")
     rows.append("| target | " + " | ".join(f"≥ {TARGETS[e] * 100:g}" for e in EPSILONS) + " |")
     met = []
-    for e in EPSILONS:
-        s = result.get("cluster_rr", {}).get(ekey(e))
+    for e in EPSILONS:      # ours: the CNN head where the validation split chose it, else the linear one
+        m = "cluster_rr_cnn" if e in METHOD_EPSILONS["cluster_rr_cnn"] else "cluster_rr"
+        s = result.get(m, {}).get(ekey(e))
         met.append("–" if s is None else ("yes" if s["mean"] >= TARGETS[e] else
                                           f"no ({(s['mean'] - TARGETS[e]) * 100:+.2f})")
                    + ("" if s is None or len(s["seeds"]) >= 3 else f", {len(s['seeds'])} of 3 seeds"))
-    rows.append("| cluster_rr meets target | " + " | ".join(met) + " |")
+    rows.append("| ours meets target (the head the validation split chose: CNN at "
+                + " and ".join(f"{e:g}" for e in METHOD_EPSILONS["cluster_rr_cnn"]) + ", else linear) | "
+                + " | ".join(met) + " |")
     rows.append(f"\n{result.get('units_done', 0)} of {result.get('units_total', 0)} units done.")
     return "\n".join(rows)
 
