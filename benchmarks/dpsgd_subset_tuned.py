@@ -34,7 +34,6 @@ rate, candidate_epsilon, expected_candidates, released_configs, target, met}.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -47,7 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS, environment, log  # noqa: E402
+from benchmarks.common import RESULTS, environment, log, read_result, write_result  # noqa: E402
 from dpmech.privacy.subset_tuning import SUBSET_TUNING  # noqa: E402
 
 NAME = "dpsgd_tuned"
@@ -227,10 +226,10 @@ def main() -> None:
     path = RESULTS / f"{NAME}.json"
     for row in args.rows:
         runs = [pipeline(row, feats) for _ in range(args.pipelines)]
-        result = json.loads(path.read_text()) if path.exists() else {}
+        result = read_result(path)
         result.setdefault("subset_tuned", {})[row] = row_result(row, runs)
         result["subset_tuned_environment"] = environment(torch.device("cpu"))
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        write_result(NAME, result, out=path)      # (the layout benchmarks/dpsgd_tuned.py writes: one diff, not two)
         r = result["subset_tuned"][row]
         log(f"{row}: {r['acc_mean']:.4f}" + (f" +- {r['acc_std']:.4f}" if r["acc_std"] is not None else "")
             + f" over {r['pipelines']} pipeline(s) at epsilon {r['epsilon_total']:.3f} (target {r['target']}: "
