@@ -39,9 +39,11 @@ GRID = {0.01: [(c, 1.0, 1, 1.0) for c in (10, 20, 50, 100, 200)],
         # epsilon 4: the first four ran first; RR's share helped, so the grid was extended (before any
         # 2,000-cluster figure or any cluster_rr test figure at 4 was seen) by a smaller histogram share,
         # two stages and a flatter top-k choice at that share
+        # (the last three added in session 22, after three stages paid at 2, before any test figure of them)
         4.0: [(1000, 1.0, 1, 1.0), (1000, 0.5, 1, 1.0), (1000, 0.25, 1, 1.0), (1000, 0.5, 2, 1.0),
               (1000, 0.1, 1, 1.0), (1000, 0.25, 2, 1.0), (1000, 0.25, 1, 0.5),
-              (2000, 1.0, 1, 1.0), (2000, 0.5, 1, 1.0), (2000, 0.25, 1, 1.0)],
+              (2000, 1.0, 1, 1.0), (2000, 0.5, 1, 1.0), (2000, 0.25, 1, 1.0),
+              (1000, 0.25, 3, 1.0), (1000, 0.25, 4, 1.0), (1000, 0.1, 3, 1.0)],
         # epsilon 2 (session 22): the shipped choice (histograms only, chosen on this split among cluster
         # counts) missed its target on the test set; epsilon 4's finding (RR's share pays once the
         # histograms saturate) is tried at 2 with the same shares and stages, fixed before any of them ran
