@@ -246,7 +246,8 @@ def test_shipped_spec_at_a_set_subset_builds_and_trains_each_method():
     spec = load_spec(ROOT / "sweeps" / "label_dp_mnist_high_privacy.yaml",
                      ["common.train_size=64", "common.test_size=32", "common.epochs=2",
                       "trainables.0.search.n_clusters=5", "trainables.1.search.n_clusters=5",
-                      "trainables.2.search.n_clusters=5", "trainables.3.search.pro_batch_size=32"])
+                      "trainables.2.search.n_clusters=5", "trainables.3.search.n_clusters=5",
+                      "trainables.4.search.pro_batch_size=32"])
     trials = expand_trials(spec)
     assert len(trials) == 36
     g = torch.Generator().manual_seed(0)
@@ -330,6 +331,23 @@ def test_benchmark_refuses_an_epsilon_without_chosen_hyperparameters(tmp_path, c
 
 
 # --------------------------------------------------------------------------- the chosen hyperparameters (issue 54.1)
+
+
+def test_the_shipped_spec_runs_the_benchmarks_chosen_settings():
+    """Every cluster_rr trial of the shipped spec uses the settings the validation split chose for its epsilon
+    (the benchmark's HPARAMS), and its target points are the benchmark's targets: the two cannot drift apart."""
+    from benchmarks import labeldp_high_privacy as bench
+    from sweeps.spec import expand_trials, load_spec
+
+    spec = load_spec(ROOT / "sweeps" / "label_dp_mnist_high_privacy.yaml", [])
+    trials = [t for t in expand_trials(spec) if t["mechanism"] == "cluster_rr"]
+    assert {t["epsilon"] for t in trials} == {0.05, 0.1, 0.2, 0.5, 1.0, 2.0}
+    for t in trials:
+        assert (t["n_clusters"], t["hist_share"], t["rr_stages"], t.get("prior_temperature", 1.0)) == \
+            bench.HPARAMS[t["epsilon"]], t["epsilon"]
+    targets = {p.where["epsilon"]: p.metrics["acc_clean"] for p in spec.reference.points
+               if p.where.get("mechanism") == "cluster_rr"}
+    assert targets == {e: bench.TARGETS[e] for e in targets}
 
 
 def test_every_benchmark_epsilon_has_hyperparameters_and_a_target():
