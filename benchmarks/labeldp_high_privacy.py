@@ -146,6 +146,14 @@ def unit_config(method: str, eps: float):
     return cfg, {**cfg.to_dict(), "head": SoftCNNConfig(**SOFT_CNN).to_dict()}
 
 
+def stale(run: dict) -> bool:
+    """Whether a recorded unit ran with other hyperparameters than today's at its method and epsilon (an
+    epsilon the benchmark no longer configures keeps its record)."""
+    if run["method"] != "labeldp_pro" and run["epsilon"] not in HPARAMS:
+        return False
+    return run.get("hyperparameters") != unit_config(run["method"], run["epsilon"])[1]
+
+
 def run_unit(data: Data, method: str, eps: float, seed: int, noise_key=None) -> dict:
     from dpmech.label_dp import cluster_prior as cp
     from dpmech.label_dp.labeldp_pro import train_labeldp_pro
@@ -227,8 +235,7 @@ def _write_merged(payload: dict, out: Path) -> None:
     tag = hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]
     with open(Path(tempfile.gettempdir()) / f"{NAME}-{tag}.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        on_file = {k: r for k, r in read_result(out).get("runs", {}).items()     # not the superseded ones
-                   if r.get("hyperparameters") == unit_config(r["method"], r["epsilon"])[1]}
+        on_file = {k: r for k, r in read_result(out).get("runs", {}).items() if not stale(r)}
         runs = {**on_file, **payload["runs"]}
         payload = {**payload, **summarise(runs), "runs": runs, "units_done": len(runs)}
         write_result(NAME, payload, out)
@@ -264,7 +271,7 @@ def main(argv=None) -> dict:
     todo = []
     for u in units(args.methods, args.epsilons, args.seeds):
         old = runs.get(unit_id(*u))
-        if old is not None and old.get("hyperparameters") != unit_config(u[0], u[1])[1]:
+        if old is not None and stale(old):
             # run with other settings than today's (a choice changed on the validation split): kept, not counted
             superseded.setdefault(unit_id(*u), []).append(runs.pop(unit_id(*u)))
             log(f"[{unit_id(*u)}] recorded with other hyperparameters: superseded, runs again")
