@@ -63,7 +63,7 @@ PUBLISHED = {"labeldp_pro": {0.01: 0.682, 0.1: 0.911, 0.2: 0.929, 0.5: 0.941, 1.
 HPARAMS = {0.01: (50, 1.0, 1, 1.0), 0.02: (50, 1.0, 1, 1.0), 0.05: (200, 1.0, 1, 1.0), 0.1: (200, 1.0, 1, 1.0),
            0.2: (500, 1.0, 1, 1.0), 0.5: (1000, 1.0, 1, 1.0), 1.0: (1000, 1.0, 1, 1.0), 2.0: (1000, 0.25, 3, 1.0),
            4.0: (1000, 0.25, 4, 1.0)}
-#: epsilon 2 was (1000, 1.0, 1, 1.0) until session 22 (test 98.18 +- 0.11%); its validation grid then gained the
+#: epsilon 2 was (1000, 1.0, 1, 1.0) until 2026-12-07 (test 98.18 +- 0.11%); its validation grid then gained the
 #: shares and stages that paid at 4 (benchmarks/labeldp_high_privacy_validation.py), first choosing two stages at
 #: share 0.25 (test 98.35 / CNN 98.54%), then, with the grid extended around it, three. Epsilon 4 was two stages
 #: (test 98.88 / CNN 99.16%) until its grid, extended after that finding, chose four
