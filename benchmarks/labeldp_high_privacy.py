@@ -127,18 +127,25 @@ class Data:
         return self._assign[key]
 
 
+def cluster_config(h):
+    """cluster_rr's configuration for a grid entry (n_clusters, hist_share, stages, temperature), the linear head
+    at the benchmark's settings."""
+    from dpmech.label_dp import cluster_prior as cp
+
+    c, share, stages, temp = h
+    return cp.ClusterRRConfig(n_clusters=int(c), hist_share=share, stages=int(stages), temperature=temp,
+                              linear=cp.LinearConfig(**LINEAR))
+
+
 def unit_config(method: str, eps: float):
     """The method's configuration at ``eps`` and the hyperparameters a unit records (a recorded unit whose
     hyperparameters differ from these is stale and runs again)."""
-    from dpmech.label_dp import cluster_prior as cp
     from dpmech.label_dp.labeldp_pro import LabelDPProConfig
 
     if method == "labeldp_pro":
         cfg = LabelDPProConfig(**PRO)
         return cfg, cfg.to_dict()
-    c, share, stages, temp = HPARAMS[eps]
-    cfg = cp.ClusterRRConfig(n_clusters=c, hist_share=share, stages=stages, temperature=temp,
-                             linear=cp.LinearConfig(**LINEAR))
+    cfg = cluster_config(HPARAMS[eps])
     if method == "cluster_rr":
         return cfg, cfg.to_dict()
     from dpmech.label_dp.soft_cnn import SoftCNNConfig

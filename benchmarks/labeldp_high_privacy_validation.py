@@ -85,13 +85,11 @@ class ValData:
 
 
 def run_config(data: ValData, eps: float, h) -> float:
-    from benchmarks.labeldp_high_privacy import LINEAR
+    from benchmarks.labeldp_high_privacy import cluster_config
     from dpmech.label_dp import cluster_prior as cp
     from dpmech.privacy.secret import NoiseKey
 
-    c, share, stages, temp = h
-    cfg = cp.ClusterRRConfig(n_clusters=c, hist_share=share, stages=stages, temperature=temp,
-                             linear=cp.LinearConfig(**LINEAR))
+    cfg = cluster_config(h)
     model, ledger, _ = cp.train_cluster_rr(data.x, cp.PrivateLabels(data.y, 10), eps, cfg, seed=SEED,
                                            noise_key=NoiseKey.reproducible(1000 + SEED),
                                            assignment=data.assignment(cfg, SEED))
@@ -144,7 +142,7 @@ def soft_cnn_heads(data: ValData, eps: float | None) -> dict:
     images: ``{"linear": acc, "cnn": acc}``; ``eps`` None: the CNN on the true labels (its ceiling)."""
     import torch.nn.functional as F
 
-    from benchmarks.labeldp_high_privacy import HPARAMS, LINEAR, SOFT_CNN
+    from benchmarks.labeldp_high_privacy import HPARAMS, SOFT_CNN, cluster_config
     from dpmech.label_dp import cluster_prior as cp
     from dpmech.label_dp.soft_cnn import SoftCNNConfig, predict_soft_cnn, train_soft_cnn
     from dpmech.privacy.secret import NoiseKey
@@ -153,9 +151,7 @@ def soft_cnn_heads(data: ValData, eps: float | None) -> dict:
     if eps is None:
         soft = F.one_hot(data.y, 10).double()
     else:
-        c, share, stages, temp = HPARAMS[eps]
-        cfg = cp.ClusterRRConfig(n_clusters=c, hist_share=share, stages=stages, temperature=temp,
-                                 linear=cp.LinearConfig(**LINEAR))
+        cfg = cluster_config(HPARAMS[eps])
         ledger, info = cp.release_cluster_rr(data.x, cp.PrivateLabels(data.y, 10), eps, cfg, seed=SEED,
                                              noise_key=NoiseKey.reproducible(1000 + SEED),
                                              assignment=data.assignment(cfg, SEED))
