@@ -245,16 +245,15 @@ def test_shipped_spec_at_a_set_subset_builds_and_trains_each_method():
 
     spec = load_spec(ROOT / "sweeps" / "label_dp_mnist_high_privacy.yaml",
                      ["common.train_size=64", "common.test_size=32", "common.epochs=2",
-                      "trainables.0.search.n_clusters=5", "trainables.1.search.n_clusters=5",
-                      "trainables.2.search.n_clusters=5", "trainables.3.search.n_clusters=5",
-                      "trainables.4.search.pro_batch_size=32"])
+                      *(f"trainables.{i}.search.n_clusters=5" for i in range(6)),
+                      "trainables.6.search.pro_batch_size=32"])
     trials = expand_trials(spec)
-    assert len(trials) == 36
+    assert len(trials) == 60
     g = torch.Generator().manual_seed(0)
     x = torch.rand(64, 1, 28, 28, generator=g) * 2 - 1
     y = torch.arange(64) % 10
-    for mech in ("cluster_rr", "labeldp_pro"):
-        t = next(t for t in trials if t["mechanism"] == mech and t["epsilon"] == 0.5)
+    for mech, eps, head in (("cluster_rr", 0.5, "linear"), ("labeldp_pro", 0.5, "linear"), ("cluster_rr", 4.0, "cnn")):
+        t = next(t for t in trials if t["mechanism"] == mech and t["epsilon"] == eps and t.get("head", "linear") == head)
         cfg = validate_config({k: v for k, v in t.items() if k != "trainable"}, LabelDPTrialConfig)
         m = LabelDPMechanism(cfg, x, y, torch.device("cpu"), noise_key=NoiseKey.reproducible(0))
         for _ in range(cfg.epochs):
@@ -262,7 +261,7 @@ def test_shipped_spec_at_a_set_subset_builds_and_trains_each_method():
         acc = m.test_accuracy(x[:32], y[:32])
         assert 0.0 <= acc <= 1.0
         p = m.privacy()
-        assert p["epsilon"] == pytest.approx(0.5, rel=1e-6)
+        assert p["epsilon"] == pytest.approx(eps, rel=1e-6)
         assert p["delta"] == (0.0 if mech == "cluster_rr" else 1e-5)
         assert (("label_keep_rate" in p) == (mech == "cluster_rr")
                 == ("label_keep_rate" in final_metrics(t, {"label_keep_rate", "acc_clean"})))
@@ -270,6 +269,66 @@ def test_shipped_spec_at_a_set_subset_builds_and_trains_each_method():
         m2 = LabelDPMechanism(cfg, x, y, torch.device("cpu"), noise_key=NoiseKey.reproducible(0))
         m2.load_state_dict(state)
         assert m2.test_accuracy(x[:32], y[:32]) == acc
+
+
+def test_a_cnn_head_trial_is_the_benchmarks_cluster_rr_cnn_unit():
+    """The trainable's ``head: cnn`` (epoch by epoch, resumed from a checkpoint halfway) trains the benchmark's
+    cluster_rr_cnn head on the same release: same ledger, same test predictions. The CNN reads no label
+    (post-processing): its epsilon is the release's, the linear head's trial's."""
+    from types import SimpleNamespace
+
+    from benchmarks import labeldp_high_privacy as bench
+    from dpmech.label_dp.feature_trainer import FeatureCNN, FeatureLabelDPConfig, FeatureLabelDPTrainer
+    from dpmech.networks.scatternet import scatter_features
+
+    g = torch.Generator().manual_seed(1)
+    y = torch.arange(240) % 10
+    x = (torch.rand(240, 1, 28, 28, generator=g) * 0.5 + torch.linspace(-1, 0.5, 10)[y].view(-1, 1, 1, 1)).clamp(-1, 1)
+    xt, yt = x[200:], y[200:]
+    x, y = x[:200], y[:200]
+    h = (8, 0.25, 2, 1.0)
+    cfg = FeatureLabelDPConfig(mechanism="cluster_rr", epsilon=4.0, epochs=3, seed=2, n_clusters=8, hist_share=0.25,
+                               rr_stages=2, head="cnn", head_width=8, head_hidden=16, head_dropout=0.3)
+    key = NoiseKey.reproducible(5)
+    a = FeatureLabelDPTrainer(cfg, x, y, noise_key=key)
+    assert isinstance(a.model, FeatureCNN)
+    a.train_epoch()
+    b = FeatureLabelDPTrainer(cfg, x, y, noise_key=key)
+    b.load_state_dict(a.state_dict())
+    for _ in range(2):
+        b.train_epoch()
+    with torch.no_grad():
+        pred = b.model(xt).argmax(1)
+    # the benchmark's unit on the same images, at the same settings
+    ftr, fte = cp.standardise(scatter_features(x, dataset="label_dp"), scatter_features(xt, dataset="label_dp"))
+    data = SimpleNamespace(x=ftr, xt=fte, y=y, yt=yt, assignment=lambda c, s: cp.cluster_assignment(ftr, c, s))
+    head = {"epochs": 3, "batch_size": cfg.batch_size, "lr": cfg.lr, "weight_decay": cfg.weight_decay, "width": 8,
+            "hidden": 16, "dropout": 0.3}
+    linear = {"epochs": 3, "batch_size": cfg.batch_size, "lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(bench.HPARAMS, 4.0, h)
+        mp.setattr(bench, "SOFT_CNN", head)
+        mp.setattr(bench, "LINEAR", linear)
+        unit = bench.run_unit(data, "cluster_rr_cnn", 4.0, 2, noise_key=key)
+    assert unit["ledger"] == a.ledger.to_dict() and b.privacy()["epsilon"] == pytest.approx(4.0)
+    assert unit["acc"] == float((pred == yt).float().mean())
+    # control: another head seed trains other weights (the equality above is not vacuous)
+    other = FeatureLabelDPTrainer(FeatureLabelDPConfig(**{**cfg.to_dict(), "seed": 3}), x, y, noise_key=key)
+    assert not torch.equal(other.model.cnn.net[0].weight, a.model.cnn.net[0].weight)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"mechanism": "labeldp_pro", "head": "cnn"}, "head: applies to mechanism cluster_rr only"),
+    ({"mechanism": "cluster_rr", "head_width": 8}, "head_width: applies to head cnn only"),
+    ({"mechanism": "cluster_rr", "head": "cnn", "head_dropout": 1.0}, "head_dropout"),
+])
+def test_head_keys_refuse_bad_input_in_one_line(extra, message):
+    from trainables.label_dp import LabelDPTrialConfig
+    from trainables.runtime import validate_config
+
+    with pytest.raises(ValueError, match=message) as exc:
+        validate_config({"dataset": "mnist", **extra}, LabelDPTrialConfig)
+    assert "\n" not in str(exc.value)
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -335,16 +394,29 @@ def test_benchmark_refuses_an_epsilon_without_chosen_hyperparameters(tmp_path, c
 
 def test_the_shipped_spec_runs_the_benchmarks_chosen_settings():
     """Every cluster_rr trial of the shipped spec uses the settings the validation split chose for its epsilon
-    (the benchmark's HPARAMS), and its target points are the benchmark's targets: the two cannot drift apart."""
+    (the benchmark's HPARAMS), its head's settings and the CNN head where the benchmark runs it, every unit of the
+    benchmark is a trial, and its target points are the benchmark's targets: the two cannot drift apart."""
     from benchmarks import labeldp_high_privacy as bench
     from sweeps.spec import expand_trials, load_spec
+    from trainables.label_dp import LabelDPTrialConfig
 
     spec = load_spec(ROOT / "sweeps" / "label_dp_mnist_high_privacy.yaml", [])
     trials = [t for t in expand_trials(spec) if t["mechanism"] == "cluster_rr"]
-    assert {t["epsilon"] for t in trials} == {0.05, 0.1, 0.2, 0.5, 1.0, 2.0}
+    assert {t["epsilon"] for t in trials} == set(bench.EPSILONS)
     for t in trials:
         assert (t["n_clusters"], t["hist_share"], t["rr_stages"], t.get("prior_temperature", 1.0)) == \
             bench.HPARAMS[t["epsilon"]], t["epsilon"]
+        head = bench.SOFT_CNN if t.get("head") == "cnn" else bench.LINEAR
+        assert {k: t.get(k, spec.common.get(k)) for k in ("epochs", "batch_size", "lr", "weight_decay")} == \
+            {k: head[k] for k in ("epochs", "batch_size", "lr", "weight_decay")}, t
+        if t.get("head") == "cnn":    # the trial keys' defaults are the benchmark's head
+            fields = LabelDPTrialConfig.model_fields
+            assert {k: fields[f"head_{k}"].default for k in ("width", "hidden", "dropout")} == \
+                {k: bench.SOFT_CNN[k] for k in ("width", "hidden", "dropout")}
+    cnn = {(t["epsilon"], t["seed"]) for t in trials if t.get("head") == "cnn"}
+    assert cnn == {(e, s) for e in bench.METHOD_EPSILONS["cluster_rr_cnn"] for s in bench.SEEDS}
+    pro = {(t["epsilon"], t["seed"]) for t in expand_trials(spec) if t["mechanism"] == "labeldp_pro"}
+    assert pro == {(e, s) for e in bench.EPSILONS for s in bench.SEEDS}
     targets = {p.where["epsilon"]: p.metrics["acc_clean"] for p in spec.reference.points
                if p.where.get("mechanism") == "cluster_rr"}
     assert targets == {e: bench.TARGETS[e] for e in targets}

@@ -35,7 +35,7 @@ class LabelDPTrialConfig(CommonConfig):
         "laplace", description="laplace (one-hot + Lap(2/eps), or digit + Lap(9/eps) for regression), rr (K-ary "
         "randomized response), lp1st / lp2st (randomized response with a prior, Ghazi et al. 2021, one or two "
         "stages; classification), cluster_rr (image-only k-means prior + noisy per-cluster histograms + "
-        "RR-with-prior, pure; a linear head on ScatterNet features), labeldp_pro (Ghazi et al. 2024's projected "
+        "RR-with-prior, pure; a linear or CNN head on ScatterNet features), labeldp_pro (Ghazi et al. 2024's projected "
         "noisy label gradients, approximate (epsilon, label_delta); the same head) or none (the non-private "
         "baseline; epsilon must be null)")
     epsilon: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
@@ -51,7 +51,8 @@ class LabelDPTrialConfig(CommonConfig):
         "adam", description="adam (the source's: Adam, constant lr, two-conv CNN) or mixup_sgd (Ghazi et al.'s: "
         "mixup, SGD with momentum, linear warm-up then linear decay, a smaller CNN)")
     momentum: float = Field(0.9, ge=0, lt=1, description="recipe mixup_sgd: SGD momentum")
-    weight_decay: float = Field(5e-4, ge=0, allow_inf_nan=False, description="recipe mixup_sgd: SGD weight decay")
+    weight_decay: float = Field(5e-4, ge=0, allow_inf_nan=False,
+                                description="recipe mixup_sgd: SGD weight decay; cluster_rr: the head's AdamW weight decay")
     warmup_epochs: float = Field(1.0, ge=0, allow_inf_nan=False,
                                  description="recipe mixup_sgd: linear warm-up epochs (per stage)")
     mixup_alpha: float = Field(4.0, ge=0, allow_inf_nan=False,
@@ -75,6 +76,13 @@ class LabelDPTrialConfig(CommonConfig):
     prior_temperature: float = Field(1.0, gt=0, allow_inf_nan=False,
                                      description="cluster_rr: RR's top-k choice uses prior^temperature (< 1: larger k*)")
     pca_dim: int = Field(50, gt=0, description="cluster_rr: principal components of the features clustered")
+    head: Literal["linear", "cnn"] = Field(
+        "linear", description="cluster_rr: the network trained on the released labels, a linear layer or a small CNN "
+        "on the same ScatterNet features (dpmech.label_dp.soft_cnn; the benchmark's best at epsilon 2 and 4), both "
+        "with epochs, batch_size, lr and weight_decay; post-processing, the epsilon is the release's")
+    head_width: int = Field(64, gt=0, description="head cnn: the CNN's channels (width, then 2 width)")
+    head_hidden: int = Field(256, gt=0, description="head cnn: the CNN's hidden units")
+    head_dropout: float = Field(0.3, ge=0, lt=1, description="head cnn: dropout before each fully connected layer")
     label_delta: float = Field(1e-5, gt=0, lt=1, description="labeldp_pro: delta of the (epsilon, delta) guarantee")
     pro_batch_size: int = Field(5000, gt=0, description="labeldp_pro: examples per noisy gradient (disjoint batches)")
     pro_lr: float = Field(0.5, gt=0, allow_inf_nan=False, description="labeldp_pro: step size (momentum 0.9)")
@@ -132,7 +140,8 @@ class LabelDPTrialConfig(CommonConfig):
 
 
 FEATURE_MECHANISMS = ("cluster_rr", "labeldp_pro")
-CLUSTER_KEYS = ("n_clusters", "hist_share", "rr_stages", "prior_temperature", "pca_dim")
+CLUSTER_KEYS = ("n_clusters", "hist_share", "rr_stages", "prior_temperature", "pca_dim", "head")
+CNN_HEAD_KEYS = ("head_width", "head_hidden", "head_dropout")
 PRO_KEYS = ("label_delta", "pro_batch_size", "pro_lr", "pro_clip", "pro_proj_images")
 
 
@@ -144,6 +153,10 @@ def feature_rules(cfg: LabelDPTrialConfig) -> None:
             for key in keys:
                 if getattr(cfg, key) != fields[key].default:
                     raise ValueError(f"{key}: applies to mechanism {mech} only (mechanism is {cfg.mechanism})")
+    if cfg.head != "cnn":
+        for key in CNN_HEAD_KEYS:
+            if getattr(cfg, key) != fields[key].default:
+                raise ValueError(f"{key}: applies to head cnn only (head is {cfg.head})")
     if cfg.mechanism not in FEATURE_MECHANISMS:
         return
     if cfg.epsilon is None:
@@ -151,7 +164,7 @@ def feature_rules(cfg: LabelDPTrialConfig) -> None:
     if cfg.task != "classification":
         raise ValueError(f"task: mechanism {cfg.mechanism} applies to task 'classification' only")
     if cfg.model is not None:
-        raise ValueError(f"model: mechanism {cfg.mechanism} trains its own linear head on ScatterNet features; must be null")
+        raise ValueError(f"model: mechanism {cfg.mechanism} trains its own head on ScatterNet features; must be null")
     if cfg.mechanism == "cluster_rr" and cfg.hist_share == 1.0 and cfg.rr_stages != 1:
         raise ValueError("rr_stages: must be 1 when hist_share is 1 (no budget is left for randomized response)")
     if cfg.train_size is not None and cfg.mechanism == "cluster_rr" and cfg.n_clusters > cfg.train_size:
@@ -166,7 +179,8 @@ def feature_config(cfg: LabelDPTrialConfig):
                                 n_clusters=cfg.n_clusters, hist_share=cfg.hist_share, rr_stages=cfg.rr_stages,
                                 prior_temperature=cfg.prior_temperature, pca_dim=cfg.pca_dim,
                                 pro_batch_size=cfg.pro_batch_size, pro_lr=cfg.pro_lr, pro_clip=cfg.pro_clip,
-                                pro_proj_images=cfg.pro_proj_images)
+                                pro_proj_images=cfg.pro_proj_images, head=cfg.head, head_width=cfg.head_width,
+                                head_hidden=cfg.head_hidden, head_dropout=cfg.head_dropout)
 
 
 def label_dp_config(cfg: LabelDPTrialConfig):

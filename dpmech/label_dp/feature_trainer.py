@@ -5,9 +5,13 @@ linear head on standardised ScatterNet features (Tramer & Boneh 2021's ScatterNe
 
 The network evaluated is :class:`FeatureLinear`: ScatterNet (fixed), flatten, the training images'
 per-feature standardisation (image-only), then for ``labeldp_pro`` the row scaling of ``[x, 1]`` to
-norm ``clip``, and a linear layer. ``cluster_rr`` releases every label in the constructor (histograms and
-RR stages) and trains the head on the posteriors, one epoch per ``train_epoch``; ``labeldp_pro`` charges
-its ``epochs`` noisy passes in the constructor and runs one pass per ``train_epoch``.
+norm ``clip``, and a linear layer; or, for ``cluster_rr`` with ``head="cnn"``, :class:`FeatureCNN`, the
+same standardised features into :class:`dpmech.label_dp.soft_cnn.ScatterSoftCNN` (issue 54.1: the head
+of the benchmark's best figures at epsilon 2 and 4). ``cluster_rr`` releases every label in the
+constructor (histograms and RR stages) and trains the head on the posteriors, one epoch per
+``train_epoch`` (the head reads no label: post-processing, the ledger is the release's);
+``labeldp_pro`` charges its ``epochs`` noisy passes in the constructor and runs one pass per
+``train_epoch``.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from dpmech.label_dp import cluster_prior as cp
 from dpmech.label_dp.labeldp_pro import LabelDPProConfig, LabelDPProRun
 
 MECHANISMS = ("cluster_rr", "labeldp_pro")
+HEADS = ("linear", "cnn")
 
 
-class FeatureLinear(nn.Module):
-    """ScatterNet -> flatten -> (x - mu) / sd -> [labeldp_pro: [x, 1] scaled to norm clip] -> linear."""
+class _Features(nn.Module):
+    """ScatterNet -> flatten -> (x - mu) / sd -> [clip: [x, 1] scaled to norm clip]: the heads' input."""
 
-    def __init__(self, input_shape, mu: torch.Tensor, sd: torch.Tensor, num_classes: int, clip: float | None):
+    def __init__(self, input_shape, mu: torch.Tensor, sd: torch.Tensor, clip: float | None):
         super().__init__()
         from dpmech.networks.scatternet import ScatterNet
 
@@ -36,8 +41,6 @@ class FeatureLinear(nn.Module):
         self.register_buffer("mu", mu.clone())
         self.register_buffer("sd", sd.clone())
         self.clip = clip
-        d = mu.numel() + (1 if clip is not None else 0)
-        self.linear = nn.Linear(d, num_classes, bias=clip is None)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         f = (self.scatter(x).flatten(1) - self.mu) / self.sd
@@ -46,8 +49,28 @@ class FeatureLinear(nn.Module):
             f = f * (self.clip / f.norm(dim=1, keepdim=True))
         return f
 
+
+class FeatureLinear(_Features):
+    """ScatterNet -> flatten -> (x - mu) / sd -> [labeldp_pro: [x, 1] scaled to norm clip] -> linear."""
+
+    def __init__(self, input_shape, mu: torch.Tensor, sd: torch.Tensor, num_classes: int, clip: float | None):
+        super().__init__(input_shape, mu, sd, clip)
+        d = mu.numel() + (1 if clip is not None else 0)
+        self.linear = nn.Linear(d, num_classes, bias=clip is None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(self.features(x))
+
+
+class FeatureCNN(_Features):
+    """ScatterNet -> flatten -> (x - mu) / sd -> :class:`~dpmech.label_dp.soft_cnn.ScatterSoftCNN` (``cnn``)."""
+
+    def __init__(self, input_shape, mu: torch.Tensor, sd: torch.Tensor, cnn: nn.Module):
+        super().__init__(input_shape, mu, sd, None)
+        self.cnn = cnn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cnn(self.features(x))
 
 
 @dataclass
@@ -69,17 +92,32 @@ class FeatureLabelDPConfig:
     pro_lr: float = 0.5
     pro_clip: float = 1.0
     pro_proj_images: int = 256
+    head: str = "linear"           # cluster_rr: linear, or cnn (dpmech.label_dp.soft_cnn)
+    head_width: int = 64           # head cnn: the CNN's channels (width, then 2 width)
+    head_hidden: int = 256         # head cnn: its hidden units
+    head_dropout: float = 0.3      # head cnn: dropout before each fully connected layer
 
     def __post_init__(self):
         v.choice("mechanism", self.mechanism, MECHANISMS)
         v.positive("epsilon", self.epsilon)
         v.positive_int("epochs", self.epochs)
+        v.choice("head", self.head, HEADS)
+        if self.head == "cnn" and self.mechanism != "cluster_rr":
+            raise ValueError(f"head: cnn applies to mechanism cluster_rr only (mechanism is {self.mechanism})")
 
     def cluster_config(self) -> cp.ClusterRRConfig:
         return cp.ClusterRRConfig(n_clusters=self.n_clusters, hist_share=self.hist_share, stages=self.rr_stages,
                                   temperature=self.prior_temperature, pca_dim=self.pca_dim,
                                   linear=cp.LinearConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                                                          weight_decay=self.weight_decay))
+
+    def soft_cnn_config(self):
+        """The CNN head's settings (head cnn): the trial's epochs, batch size, rate and weight decay."""
+        from dpmech.label_dp.soft_cnn import SoftCNNConfig
+
+        return SoftCNNConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
+                             weight_decay=self.weight_decay, width=self.head_width, hidden=self.head_hidden,
+                             dropout=self.head_dropout)
 
     def pro_config(self) -> LabelDPProConfig:
         return LabelDPProConfig(epochs=self.epochs, batch_size=self.pro_batch_size, lr=self.pro_lr, clip=self.pro_clip,
@@ -109,9 +147,17 @@ class FeatureLabelDPTrainer:
                                                       noise_key=noise_key)
             self.soft = info.pop("soft_labels")
             self.info = info
-            self.run = cp.LinearRun(self.feats, self.soft, ccfg.linear, cp.derive_seed(cfg.seed, 20))
-            self.model = FeatureLinear(x.shape[1:], mu, sd, num_classes, None)
-            self.model.linear = self.run.model
+            if cfg.head == "cnn":    # the seed stream benchmarks/labeldp_high_privacy.py's cluster_rr_cnn uses
+                from dpmech.label_dp.soft_cnn import SoftCNNRun
+                from dpmech.networks.scatternet import feature_shape
+
+                self.run = SoftCNNRun(self.feats, self.soft, cfg.soft_cnn_config(), cp.derive_seed(cfg.seed, 30),
+                                      feature_shape(tuple(x.shape[1:])))
+                self.model = FeatureCNN(x.shape[1:], mu, sd, self.run.model)
+            else:
+                self.run = cp.LinearRun(self.feats, self.soft, ccfg.linear, cp.derive_seed(cfg.seed, 20))
+                self.model = FeatureLinear(x.shape[1:], mu, sd, num_classes, None)
+                self.model.linear = self.run.model
         else:
             pcfg = cfg.pro_config()
             self.run = LabelDPProRun(self.feats, labels, cfg.epsilon, pcfg, seed=cfg.seed, noise_key=noise_key)

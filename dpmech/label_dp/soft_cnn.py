@@ -10,7 +10,9 @@ changes no epsilon; the ledger stays the release's.
 The network (:class:`ScatterSoftCNN`) takes the standardised ScatterNet features as K x 7 x 7 maps (81
 channels for MNIST's J 2, L 8): conv 3x3 ``width`` -> ReLU -> conv 3x3 stride 2 ``2 width`` -> ReLU ->
 dropout -> FC ``hidden`` -> ReLU -> dropout -> FC classes. Trained with AdamW on the soft-label
-cross-entropy ``-sum_k q_k log softmax_k``, the rate decaying linearly to 0 (as :class:`LinearRun`).
+cross-entropy ``-sum_k q_k log softmax_k``, the rate decaying linearly to 0 (as :class:`LinearRun`),
+one epoch per :meth:`SoftCNNRun.train_epoch` (the ``label_dp`` trial's ``head: cnn``) or all at once
+(:func:`train_soft_cnn`, the benchmark's ``cluster_rr_cnn``): the same weights either way.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 
 from dpmech import _validate as v
 
-__all__ = ["SoftCNNConfig", "ScatterSoftCNN", "train_soft_cnn", "predict_soft_cnn"]
+__all__ = ["SoftCNNConfig", "ScatterSoftCNN", "SoftCNNRun", "train_soft_cnn", "predict_soft_cnn"]
 
 
 @dataclass
@@ -70,36 +72,73 @@ class ScatterSoftCNN(nn.Module):
         return self.net(x.reshape(x.shape[0], *self.shape))
 
 
+class SoftCNNRun:
+    """:class:`ScatterSoftCNN` trained with AdamW on the soft-label cross-entropy, one epoch per
+    ``train_epoch`` (the trial runtime's unit of progress and checkpoint), the rate decaying linearly to 0
+    over ``cfg.epochs``. Initialisation, dropout and batch order come from ``seed`` (public randomness):
+    the dropout stream is kept with the run, so the global RNG is untouched and an epoch-wise run, resumed
+    or not, trains exactly the weights of :func:`train_soft_cnn`."""
+
+    def __init__(self, feats: torch.Tensor, soft: torch.Tensor, cfg: SoftCNNConfig, seed: int,
+                 feature_shape: tuple[int, int, int] = (81, 7, 7)):
+        if feats.dim() != 2 or feats.shape[1] != math.prod(feature_shape):
+            raise ValueError(f"feats must be [N, {math.prod(feature_shape)}] (feature_shape {tuple(feature_shape)}), "
+                             f"got {list(feats.shape)}")
+        if soft.shape[0] != feats.shape[0]:
+            raise ValueError(f"soft must have one row per example ({feats.shape[0]}), got {soft.shape[0]}")
+        self.feats, self.soft, self.cfg = feats, soft.float(), cfg
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(seed))
+            self.model = ScatterSoftCNN(feature_shape, soft.shape[1], cfg)
+            self.rng = torch.random.get_rng_state()          # dropout's stream, continued epoch to epoch
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        steps = cfg.epochs * math.ceil(feats.shape[0] / cfg.batch_size)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda t: max(0.0, 1.0 - t / steps))
+        self.gen = torch.Generator().manual_seed(int(seed))
+        self.epoch = 0
+        self.model.eval()
+
+    def train_epoch(self) -> float:
+        """One pass in a fresh random order; the mean soft-label cross-entropy over it."""
+        n, total = self.feats.shape[0], 0.0
+        perm = torch.randperm(n, generator=self.gen)
+        with torch.random.fork_rng(devices=[]):
+            torch.random.set_rng_state(self.rng)
+            self.model.train()
+            for s in range(0, n, self.cfg.batch_size):
+                idx = perm[s:s + self.cfg.batch_size]
+                loss = -(self.soft[idx] * F.log_softmax(self.model(self.feats[idx]), 1)).sum(1).mean()
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                self.opt.step()
+                self.sched.step()
+                total += float(loss.detach()) * len(idx)
+            self.rng = torch.random.get_rng_state()
+        self.model.eval()
+        self.epoch += 1
+        return total / n
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
+                "gen": self.gen.get_state(), "rng": self.rng.clone(), "epoch": self.epoch}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.model.load_state_dict(st["model"])
+        self.opt.load_state_dict(st["opt"])
+        self.sched.load_state_dict(st["sched"])
+        self.gen.set_state(st["gen"])
+        self.rng = st["rng"].clone()
+        self.epoch = int(st["epoch"])
+
+
 def train_soft_cnn(feats: torch.Tensor, soft: torch.Tensor, cfg: SoftCNNConfig, seed: int,
                    feature_shape: tuple[int, int, int] = (81, 7, 7)) -> ScatterSoftCNN:
-    """``cfg.epochs`` epochs on (standardised features [N, K*h*w], soft labels [N, C]); initialisation and
-    batch order from ``seed`` (public randomness), the global RNG untouched."""
-    if feats.dim() != 2 or feats.shape[1] != math.prod(feature_shape):
-        raise ValueError(f"feats must be [N, {math.prod(feature_shape)}] (feature_shape {tuple(feature_shape)}), "
-                         f"got {list(feats.shape)}")
-    if soft.shape[0] != feats.shape[0]:
-        raise ValueError(f"soft must have one row per example ({feats.shape[0]}), got {soft.shape[0]}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
-        model = ScatterSoftCNN(feature_shape, soft.shape[1], cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        n = feats.shape[0]
-        steps = cfg.epochs * math.ceil(n / cfg.batch_size)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: max(0.0, 1.0 - t / steps))
-        gen = torch.Generator().manual_seed(int(seed))
-        soft = soft.float()
-        model.train()
-        for _ in range(cfg.epochs):
-            perm = torch.randperm(n, generator=gen)
-            for s in range(0, n, cfg.batch_size):
-                idx = perm[s:s + cfg.batch_size]
-                loss = -(soft[idx] * F.log_softmax(model(feats[idx]), 1)).sum(1).mean()
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-    model.eval()
-    return model
+    """``cfg.epochs`` epochs of :class:`SoftCNNRun` on (standardised features [N, K*h*w], soft labels
+    [N, C]); returns the network in eval mode."""
+    run = SoftCNNRun(feats, soft, cfg, seed, feature_shape)
+    for _ in range(cfg.epochs):
+        run.train_epoch()
+    return run.model
 
 
 @torch.no_grad()
