@@ -48,6 +48,8 @@ NAME = "dpsgd_tuned"
 SPECS = {"eps_3": ROOT / "sweeps" / "dpsgd_mnist_scatternet_tuned_eps3.yaml",
          "eps_1": ROOT / "sweeps" / "dpsgd_mnist_scatternet_tuned_eps1.yaml"}
 TARGETS = {"eps_3": 0.980, "eps_1": 0.965}
+#: issue 54.2's targets for the mean over whole pipelines (3, each its own secret), held out
+PIPELINE_TARGETS = {"eps_3": 0.986, "eps_1": 0.980}
 # untuned: our ScatterNet recipe at the same epsilon (its hyperparameters are T&B's, found by them on
 # this test set and not charged); published: T&B 2021 (ScatterNet + linear, eps 3; no eps 1 figure)
 UNTUNED_ROW = {"eps_3": "eps_3", "eps_1": "eps_1"}
@@ -146,6 +148,8 @@ def collect_pipelines(row: str, n: int) -> dict:
                pipeline_runs=[{k: e[k] for k in ("acc", "acc_selection", "trial_epsilon", "epsilon_total",
                                                  "released_config", "parent_run_id")} for e in each])
     out["met"] = out["acc_mean"] >= TARGETS[row]
+    out["pipeline_target"] = PIPELINE_TARGETS[row]
+    out["pipeline_met"] = len(each) >= 3 and out["acc_mean"] >= PIPELINE_TARGETS[row]
     log(f"{row}: {len(each)} pipeline(s), held-out acc {out['acc_mean']:.4f}"
         + (f" +- {out['acc_std']:.4f}" if out["acc_std"] is not None else ""))
     return out
@@ -312,7 +316,9 @@ def write_accounting(rows: list[str]) -> Path:
 def write(rows: dict) -> Path:
     path = RESULTS / f"{NAME}.json"
     payload = read_result(path) or {"benchmark": NAME}
-    payload.setdefault("tuned", {}).update(rows)
+    tuned = payload.setdefault("tuned", {})
+    for row, new in rows.items():     # the audit of a row (--audit, its own pipeline) stays beside its new figures
+        tuned[row] = {**{k: v for k, v in tuned.get(row, {}).items() if k.startswith("audit_")}, **new}
     payload["environment"] = environment(torch.device("cpu"))
     return write_result(NAME, payload, out=path)
 
@@ -332,10 +338,17 @@ def doc_table(tuned: dict) -> str:
         if e is None:
             continue
         c = e["released_config"]
+        if e.get("pipelines", 1) > 1:   # issue 54.2: the mean over whole pipelines, each its own secret
+            sd = e["acc_std"]
+            held = (f"**{pct(e['acc_mean'])} ± {100 * sd:.2f}** over {e['pipelines']} pipelines ("
+                    + ", ".join(pct(r["acc"]) for r in e["pipeline_runs"]) + f"; >= {pct(e['target'])}: "
+                    f"{'met' if e['met'] else 'missed'}; issue 54.2's >= {pct(e['pipeline_target'])}: "
+                    f"{'met' if e['pipeline_met'] else 'missed'})")
+        else:
+            held = f"**{pct(e['acc'])}** (>= {pct(e['target'])}: {'met' if e['met'] else 'missed'})"
         lines.append(
             f"| {e['epsilon_total']:.3f} ({e['target_epsilon']:g}) | {e['trial_epsilon']:.3f} | "
-            f"{e['expected_candidates']:g}, {e['distribution']} | **{pct(e['acc'])}** (>= {pct(e['target'])}: "
-            f"{'met' if e['met'] else 'missed'}) | {pct(e['acc_selection'])} "
+            f"{e['expected_candidates']:g}, {e['distribution']} | {held} | {pct(e['acc_selection'])} "
             f"| {pct(e['untuned'])} | {pct(e['published'])} | lr {c['lr']:.3g}, "
             f"C {c['max_grad_norm']:.3g}, batch {c['batch_size']}, {c['epochs']} epochs |")
     return "\n".join(lines)

@@ -58,8 +58,27 @@ def test_several_pipelines_are_summarised_as_mean_and_sample_sd(monkeypatch):
     assert out["acc_std"] == statistics.stdev(accs.values())
     assert [r["parent_run_id"] for r in out["pipeline_runs"]] == parents
     assert out["met"] is True
+    assert out["pipeline_target"] == 0.986 and out["pipeline_met"] is False     # issue 54.2's: 98.6 on the mean
     one = bench.collect_pipelines("eps_3", 1)
     assert one["pipelines"] == 1 and one["acc_std"] is None and one["acc_mean"] == 0.979 and one["met"] is False
+    # the table states the mean, its sd, each pipeline, and both targets
+    row = {**_row(0.979, 0.99), **{k: out[k] for k in ("pipelines", "acc_mean", "acc_std", "pipeline_runs",
+                                                       "pipeline_target", "pipeline_met")}, "met": out["met"]}
+    line = bench.doc_table({"eps_3": row}).splitlines()[-1]
+    assert (f"**{100 * out['acc_mean']:.2f}% ± {100 * out['acc_std']:.2f}** over 3 pipelines (97.90%, 98.50%, "
+            "98.10%; >= 98.00%: met; issue 54.2's >= 98.60%: missed)") in line
+
+
+def test_new_figures_of_a_row_keep_its_audit(tmp_path, monkeypatch):
+    """Collecting a row again (--pipelines) replaces its figures and keeps the audit --audit wrote beside them."""
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    (tmp_path / "dpsgd_tuned.json").write_text(json.dumps(
+        {"benchmark": "dpsgd_tuned", "tuned": {"eps_3": {"acc": 0.97, "audit_lb": 0.3, "audit_delta": 1e-5},
+                                               "eps_1": {"acc": 0.96}}}))
+    bench.write({"eps_3": {"acc": 0.98, "pipelines": 3}})
+    tuned = json.loads((tmp_path / "dpsgd_tuned.json").read_text())["tuned"]
+    assert tuned["eps_3"] == {"acc": 0.98, "pipelines": 3, "audit_lb": 0.3, "audit_delta": 1e-5}
+    assert tuned["eps_1"] == {"acc": 0.96}
 
 
 def test_the_audited_pipeline_is_the_shipped_spec_plus_the_audit_under_its_own_name():
