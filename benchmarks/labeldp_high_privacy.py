@@ -4,7 +4,8 @@ LabelDP-Pro (Ghazi et al., ICLR 2024; approximate (epsilon, 1e-5)-label-DP), the
 head on standardised ScatterNet features) and the same seeds, at epsilon 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 1, 2, 4 (0.01, 0.02 and 4: issue 54.1); 60,000 training and 10,000 test images, 3 seeds. ``cluster_rr_cnn``
 (issue 54.1's stretch) is cluster_rr's release with a CNN head (``dpmech.label_dp.soft_cnn``), run only at
-the epsilons of ``METHOD_EPSILONS`` (where the validation split showed it beat the linear head).
+the epsilons of ``METHOD_EPSILONS`` (where the validation split showed it beat the linear head), trained with
+the mixup ``SOFT_CNN_MIXUP`` chose there on the same split.
 
 Every (method, epsilon, seed) is one unit; benchmarks/results/labeldp_high_privacy.json is rewritten after
 each unit (``runs``) and a restart skips the units already in it. Units go seed by seed (every epsilon of
@@ -71,6 +72,9 @@ LINEAR = {"epochs": 10, "batch_size": 256, "lr": 1e-3, "weight_decay": 1e-4}
 #: cluster_rr_cnn's head (issue 54.1's stretch; dpmech.label_dp.soft_cnn): fixed before the validation run
 SOFT_CNN = {"epochs": 10, "batch_size": 256, "lr": 1e-3, "weight_decay": 1e-4, "width": 64, "hidden": 256,
             "dropout": 0.3}
+#: cluster_rr_cnn's mixup alpha per epsilon (issue 54.1's lever "mixup as Ghazi et al. use"), the validation split's
+#: choice among labeldp_high_privacy_validation.MIXUP_GRID on the release HPARAMS chooses (its soft_cnn_mixup)
+SOFT_CNN_MIXUP = {2.0: 2.0, 4.0: 2.0}
 PRO = {"epochs": 10, "batch_size": 5000, "lr": 0.5, "momentum": 0.9, "clip": 1.0, "proj_images": 256, "delta": 1e-5}
 
 
@@ -148,9 +152,14 @@ def unit_config(method: str, eps: float):
     cfg = cluster_config(HPARAMS[eps])
     if method == "cluster_rr":
         return cfg, cfg.to_dict()
+    return cfg, {**cfg.to_dict(), "head": soft_cnn_config(eps).to_dict()}
+
+
+def soft_cnn_config(eps: float):
+    """cluster_rr_cnn's head at ``eps``: ``SOFT_CNN`` with the mixup ``SOFT_CNN_MIXUP`` chose there."""
     from dpmech.label_dp.soft_cnn import SoftCNNConfig
 
-    return cfg, {**cfg.to_dict(), "head": SoftCNNConfig(**SOFT_CNN).to_dict()}
+    return SoftCNNConfig(**{**SOFT_CNN, "mixup_alpha": SOFT_CNN_MIXUP.get(eps) or 0.0})
 
 
 def stale(run: dict) -> bool:
@@ -172,11 +181,11 @@ def run_unit(data: Data, method: str, eps: float, seed: int, noise_key=None) -> 
                                                   assignment=data.assignment(cfg, seed))
         pred = cp.softmax_of(model, data.xt).argmax(1)
     elif method == "cluster_rr_cnn":     # the same release as cluster_rr's unit (seed, noise), then the CNN head
-        from dpmech.label_dp.soft_cnn import SoftCNNConfig, predict_soft_cnn, train_soft_cnn
+        from dpmech.label_dp.soft_cnn import predict_soft_cnn, train_soft_cnn
 
         ledger, info = cp.release_cluster_rr(data.x, labels, eps, cfg, seed=seed, noise_key=noise_key,
                                              assignment=data.assignment(cfg, seed))
-        model = train_soft_cnn(data.x, info.pop("soft_labels"), SoftCNNConfig(**SOFT_CNN), cp.derive_seed(seed, 30))
+        model = train_soft_cnn(data.x, info.pop("soft_labels"), soft_cnn_config(eps), cp.derive_seed(seed, 30))
         pred = predict_soft_cnn(model, data.xt)
     else:
         predict, ledger, info = train_labeldp_pro(data.x, labels, eps, cfg, seed=seed, noise_key=noise_key)
@@ -300,7 +309,8 @@ def main(argv=None) -> dict:
                    "published": {m_: {ekey(k): a for k, a in p.items()} for m_, p in PUBLISHED.items()},
                    "hyperparameters": {"cluster_rr": {ekey(k): dict(zip(("n_clusters", "hist_share", "stages", "temperature"), h))
                                                       for k, h in HPARAMS.items()},
-                                       "linear": LINEAR, "labeldp_pro": PRO, "cluster_rr_cnn_head": SOFT_CNN},
+                                       "linear": LINEAR, "labeldp_pro": PRO, "cluster_rr_cnn_head": SOFT_CNN,
+                                       "cluster_rr_cnn_mixup": {f"{e:g}": a for e, a in SOFT_CNN_MIXUP.items()}},
                    "validation": read_result(VALIDATION),
                    "tuning": "chosen on a validation split of the training images (50,000 / 10,000) with its true "
                              "labels, seed 0; not covered by the epsilon; no choice read a test figure (the grid at 2 "

@@ -245,8 +245,8 @@ def test_shipped_spec_at_a_set_subset_builds_and_trains_each_method():
 
     spec = load_spec(ROOT / "sweeps" / "label_dp_mnist_high_privacy.yaml",
                      ["common.train_size=64", "common.test_size=32", "common.epochs=2",
-                      *(f"trainables.{i}.search.n_clusters=5" for i in range(6)),
-                      "trainables.6.search.pro_batch_size=32"])
+                      *(f"trainables.{i}.search.n_clusters=5" for i in range(8)),
+                      "trainables.8.search.pro_batch_size=32"])
     trials = expand_trials(spec)
     assert len(trials) == 60
     g = torch.Generator().manual_seed(0)
@@ -288,7 +288,8 @@ def test_a_cnn_head_trial_is_the_benchmarks_cluster_rr_cnn_unit():
     x, y = x[:200], y[:200]
     h = (8, 0.25, 2, 1.0)
     cfg = FeatureLabelDPConfig(mechanism="cluster_rr", epsilon=4.0, epochs=3, seed=2, n_clusters=8, hist_share=0.25,
-                               rr_stages=2, head="cnn", head_width=8, head_hidden=16, head_dropout=0.3)
+                               rr_stages=2, head="cnn", head_width=8, head_hidden=16, head_dropout=0.3,
+                               head_mixup_alpha=1.0)
     key = NoiseKey.reproducible(5)
     a = FeatureLabelDPTrainer(cfg, x, y, noise_key=key)
     assert isinstance(a.model, FeatureCNN)
@@ -309,6 +310,7 @@ def test_a_cnn_head_trial_is_the_benchmarks_cluster_rr_cnn_unit():
         mp.setitem(bench.HPARAMS, 4.0, h)
         mp.setattr(bench, "SOFT_CNN", head)
         mp.setattr(bench, "LINEAR", linear)
+        mp.setitem(bench.SOFT_CNN_MIXUP, 4.0, 1.0)
         unit = bench.run_unit(data, "cluster_rr_cnn", 4.0, 2, noise_key=key)
     assert unit["ledger"] == a.ledger.to_dict() and b.privacy()["epsilon"] == pytest.approx(4.0)
     assert unit["acc"] == float((pred == yt).float().mean())
@@ -320,6 +322,8 @@ def test_a_cnn_head_trial_is_the_benchmarks_cluster_rr_cnn_unit():
 @pytest.mark.parametrize("extra, message", [
     ({"mechanism": "labeldp_pro", "head": "cnn"}, "head: applies to mechanism cluster_rr only"),
     ({"mechanism": "cluster_rr", "head_width": 8}, "head_width: applies to head cnn only"),
+    ({"mechanism": "cluster_rr", "head_mixup_alpha": 1.0}, "head_mixup_alpha: applies to head cnn only"),
+    ({"mechanism": "cluster_rr", "head": "cnn", "head_mixup_alpha": -1.0}, "head_mixup_alpha"),
     ({"mechanism": "cluster_rr", "head": "cnn", "head_dropout": 1.0}, "head_dropout"),
 ])
 def test_head_keys_refuse_bad_input_in_one_line(extra, message):
@@ -413,6 +417,7 @@ def test_the_shipped_spec_runs_the_benchmarks_chosen_settings():
             fields = LabelDPTrialConfig.model_fields
             assert {k: fields[f"head_{k}"].default for k in ("width", "hidden", "dropout")} == \
                 {k: bench.SOFT_CNN[k] for k in ("width", "hidden", "dropout")}
+            assert t["head_mixup_alpha"] == bench.SOFT_CNN_MIXUP[t["epsilon"]], t
     cnn = {(t["epsilon"], t["seed"]) for t in trials if t.get("head") == "cnn"}
     assert cnn == {(e, s) for e in bench.METHOD_EPSILONS["cluster_rr_cnn"] for s in bench.SEEDS}
     pro = {(t["epsilon"], t["seed"]) for t in expand_trials(spec) if t["mechanism"] == "labeldp_pro"}
@@ -456,8 +461,29 @@ def test_new_hyperparameters_are_the_validation_splits_choice():
 # --------------------------------------------------------------------------- the CNN head (issue 54.1's stretch)
 
 
+def test_the_cnn_heads_mixup_is_the_validation_splits_choice():
+    """SOFT_CNN_MIXUP at each epsilon where the CNN head runs is the best alpha of the validation grid on the release
+    HPARAMS chooses (ties: the smaller alpha), read from the committed validation JSON; the rule picks another
+    alpha when the figures say so (negative control), and nothing on an incomplete grid."""
+    from benchmarks import labeldp_high_privacy as bench
+    from benchmarks import labeldp_high_privacy_validation as val
+
+    mx = json.loads(bench.VALIDATION.read_text())["soft_cnn_mixup"]
+    assert mx["grid"] == [f"{a:g}" for a in val.MIXUP_GRID]
+    assert set(bench.SOFT_CNN_MIXUP) == set(bench.METHOD_EPSILONS["cluster_rr_cnn"])
+    for e, alpha in bench.SOFT_CNN_MIXUP.items():
+        r = mx[f"eps_{e:g}"]
+        assert r["config"] == val.ckey(bench.HPARAMS[e])
+        assert val.choose_mixup(r["acc"]) == r["chosen"] == alpha
+        other = next(k for k in r["acc"] if float(k) != alpha)
+        assert val.choose_mixup({**r["acc"], other: max(r["acc"].values()) + 0.01}) == float(other)
+        assert bench.soft_cnn_config(e).mixup_alpha == alpha
+    tie = {f"{a:g}": 0.5 for a in val.MIXUP_GRID}
+    assert val.choose_mixup(tie) == val.MIXUP_GRID[0] and val.choose_mixup({"0": 0.9}) is None
+
+
 def test_soft_cnn_learns_soft_labels_deterministically_and_refuses_bad_input():
-    from dpmech.label_dp.soft_cnn import SoftCNNConfig, predict_soft_cnn, train_soft_cnn
+    from dpmech.label_dp.soft_cnn import SoftCNNConfig, SoftCNNRun, predict_soft_cnn, train_soft_cnn
 
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 3, (300,), generator=g)
@@ -474,6 +500,21 @@ def test_soft_cnn_learns_soft_labels_deterministically_and_refuses_bad_input():
     # control: labels that carry nothing (uniform) leave it at chance
     m0 = train_soft_cnn(x, torch.full((300, 3), 1 / 3), cfg, seed=3, feature_shape=(4, 7, 7))
     assert float((predict_soft_cnn(m0, x) == y).float().mean()) < 0.6
+    # mixup: other weights than without it, the same ones again, and epoch by epoch with a resume halfway
+    mix = SoftCNNConfig(**{**cfg.to_dict(), "mixup_alpha": 1.0})
+    m3 = train_soft_cnn(x, soft, mix, seed=3, feature_shape=(4, 7, 7))
+    assert not torch.equal(m3.net[0].weight, m1.net[0].weight)
+    assert float((predict_soft_cnn(m3, x) == y).float().mean()) > 0.9
+    run = SoftCNNRun(x, soft, mix, 3, (4, 7, 7))
+    for _ in range(3):
+        run.train_epoch()
+    resumed = SoftCNNRun(x, soft, mix, 3, (4, 7, 7))
+    resumed.load_state_dict(run.state_dict())
+    for _ in range(3):
+        resumed.train_epoch()
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.state_dict().values(), m3.state_dict().values()))
+    with pytest.raises(ValueError, match="mixup_alpha"):
+        SoftCNNConfig(mixup_alpha=-0.5)
     with pytest.raises(ValueError, match=r"^feats must be \[N, 196\]"):
         train_soft_cnn(x[:, :10], soft, cfg, seed=0, feature_shape=(4, 7, 7))
     with pytest.raises(ValueError, match="dropout"):

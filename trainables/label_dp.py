@@ -83,6 +83,9 @@ class LabelDPTrialConfig(CommonConfig):
     head_width: int = Field(64, gt=0, description="head cnn: the CNN's channels (width, then 2 width)")
     head_hidden: int = Field(256, gt=0, description="head cnn: the CNN's hidden units")
     head_dropout: float = Field(0.3, ge=0, lt=1, description="head cnn: dropout before each fully connected layer")
+    head_mixup_alpha: float = Field(0.0, ge=0, allow_inf_nan=False,
+                                    description="head cnn: mixup of features and released soft labels, "
+                                    "lambda ~ Beta(alpha, alpha) per batch; 0 = none")
     label_delta: float = Field(1e-5, gt=0, lt=1, description="labeldp_pro: delta of the (epsilon, delta) guarantee")
     pro_batch_size: int = Field(5000, gt=0, description="labeldp_pro: examples per noisy gradient (disjoint batches)")
     pro_lr: float = Field(0.5, gt=0, allow_inf_nan=False, description="labeldp_pro: step size (momentum 0.9)")
@@ -141,7 +144,7 @@ class LabelDPTrialConfig(CommonConfig):
 
 FEATURE_MECHANISMS = ("cluster_rr", "labeldp_pro")
 CLUSTER_KEYS = ("n_clusters", "hist_share", "rr_stages", "prior_temperature", "pca_dim", "head")
-CNN_HEAD_KEYS = ("head_width", "head_hidden", "head_dropout")
+CNN_HEAD_KEYS = ("head_width", "head_hidden", "head_dropout", "head_mixup_alpha")
 PRO_KEYS = ("label_delta", "pro_batch_size", "pro_lr", "pro_clip", "pro_proj_images")
 
 
@@ -180,7 +183,8 @@ def feature_config(cfg: LabelDPTrialConfig):
                                 prior_temperature=cfg.prior_temperature, pca_dim=cfg.pca_dim,
                                 pro_batch_size=cfg.pro_batch_size, pro_lr=cfg.pro_lr, pro_clip=cfg.pro_clip,
                                 pro_proj_images=cfg.pro_proj_images, head=cfg.head, head_width=cfg.head_width,
-                                head_hidden=cfg.head_hidden, head_dropout=cfg.head_dropout)
+                                head_hidden=cfg.head_hidden, head_dropout=cfg.head_dropout,
+                                head_mixup_alpha=cfg.head_mixup_alpha)
 
 
 def label_dp_config(cfg: LabelDPTrialConfig):

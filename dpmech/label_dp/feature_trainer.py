@@ -96,6 +96,7 @@ class FeatureLabelDPConfig:
     head_width: int = 64           # head cnn: the CNN's channels (width, then 2 width)
     head_hidden: int = 256         # head cnn: its hidden units
     head_dropout: float = 0.3      # head cnn: dropout before each fully connected layer
+    head_mixup_alpha: float = 0.0  # head cnn: mixup's Beta(alpha, alpha); 0: none
 
     def __post_init__(self):
         v.choice("mechanism", self.mechanism, MECHANISMS)
@@ -117,7 +118,7 @@ class FeatureLabelDPConfig:
 
         return SoftCNNConfig(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr,
                              weight_decay=self.weight_decay, width=self.head_width, hidden=self.head_hidden,
-                             dropout=self.head_dropout)
+                             dropout=self.head_dropout, mixup_alpha=self.head_mixup_alpha)
 
     def pro_config(self) -> LabelDPProConfig:
         return LabelDPProConfig(epochs=self.epochs, batch_size=self.pro_batch_size, lr=self.pro_lr, clip=self.pro_clip,

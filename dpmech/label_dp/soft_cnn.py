@@ -10,7 +10,10 @@ changes no epsilon; the ledger stays the release's.
 The network (:class:`ScatterSoftCNN`) takes the standardised ScatterNet features as K x 7 x 7 maps (81
 channels for MNIST's J 2, L 8): conv 3x3 ``width`` -> ReLU -> conv 3x3 stride 2 ``2 width`` -> ReLU ->
 dropout -> FC ``hidden`` -> ReLU -> dropout -> FC classes. Trained with AdamW on the soft-label
-cross-entropy ``-sum_k q_k log softmax_k``, the rate decaying linearly to 0 (as :class:`LinearRun`),
+cross-entropy ``-sum_k q_k log softmax_k``, optionally on mixup of the batch (Zhang, Cisse, Dauphin,
+Lopez-Paz 2018, "mixup: Beyond empirical risk minimization": ``lambda x_i + (1 - lambda) x_j`` with the
+soft labels mixed alike, ``lambda ~ Beta(mixup_alpha, mixup_alpha)``, as Ghazi et al. 2021 train on RR's
+labels), the rate decaying linearly to 0 (as :class:`LinearRun`),
 one epoch per :meth:`SoftCNNRun.train_epoch` (the ``label_dp`` trial's ``head: cnn``) or all at once
 (:func:`train_soft_cnn`, the benchmark's ``cluster_rr_cnn``): the same weights either way.
 """
@@ -40,6 +43,7 @@ class SoftCNNConfig:
     width: int = 64
     hidden: int = 256
     dropout: float = 0.3
+    mixup_alpha: float = 0.0     # mixup (Zhang et al. 2018) of features and soft labels, lambda ~ Beta(a, a); 0: none
 
     def __post_init__(self):
         v.positive_int("epochs", self.epochs)
@@ -49,6 +53,7 @@ class SoftCNNConfig:
         v.positive_int("width", self.width)
         v.positive_int("hidden", self.hidden)
         v.unit_interval("dropout", self.dropout, high_open=True)
+        v.non_negative("mixup_alpha", self.mixup_alpha)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,12 +107,19 @@ class SoftCNNRun:
         """One pass in a fresh random order; the mean soft-label cross-entropy over it."""
         n, total = self.feats.shape[0], 0.0
         perm = torch.randperm(n, generator=self.gen)
+        a = float(self.cfg.mixup_alpha)
+        beta = torch.distributions.Beta(a, a) if a > 0 else None
         with torch.random.fork_rng(devices=[]):
             torch.random.set_rng_state(self.rng)
             self.model.train()
             for s in range(0, n, self.cfg.batch_size):
                 idx = perm[s:s + self.cfg.batch_size]
-                loss = -(self.soft[idx] * F.log_softmax(self.model(self.feats[idx]), 1)).sum(1).mean()
+                x, q = self.feats[idx], self.soft[idx]
+                if beta is not None:    # each batch mixed with a shuffle of itself, one lambda per batch
+                    lam = float(beta.sample())
+                    j = torch.randperm(len(idx), generator=self.gen)
+                    x, q = lam * x + (1 - lam) * x[j], lam * q + (1 - lam) * q[j]
+                loss = -(q * F.log_softmax(self.model(x), 1)).sum(1).mean()
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 self.opt.step()
