@@ -22,7 +22,9 @@ benchmarks/results/dpsgd_mnist_full.json (``scatternet``).
     python benchmarks/dpsgd_tuned.py --rows eps_3 --collect-only
     python benchmarks/dpsgd_tuned.py --docs          # only docs/dpsgd.md's table, from the results file
     python benchmarks/dpsgd_tuned.py --accounting    # only epsilon_total_by_analysis (no training, a minute)
-    python benchmarks/dpsgd_tuned.py --pipelines 3   # three whole pipelines per row (about 3 hours on 2 cores)
+    python benchmarks/dpsgd_tuned.py --pipelines 3   # three whole pipelines per row (K is random: 45 minutes for
+                                                     # the six of 2026-12-07 on 2 cores, hours when K draws large)
+    python benchmarks/dpsgd_tuned.py --pipelines 3 --collect-only   # the 3 latest finished pipelines per row
     python benchmarks/dpsgd_tuned.py --audit         # one audited pipeline per row: the released model's audit
 """
 
@@ -98,6 +100,12 @@ def _classifier_state(state: dict) -> dict:
     return state
 
 
+#: the released trial's parameters ``collect`` reads: its configuration as the results file states it, and what
+#: :func:`held_out_accuracy` needs to rebuild the model and the held-out split
+CONFIG_KEYS = ("epsilon", "delta", "lr", "max_grad_norm", "batch_size", "epochs", "momentum", "model", "features",
+               "feature_norm_groups", "input_range", "test_size", "dataset", "data_seed", "seed")
+
+
 def held_out_accuracy(config: dict, weights: Path) -> tuple[float, int]:
     """Accuracy of the released model (scattering + classifier) on the test images the sweep's
     ``test_size`` subset left out (dpmech.datasets.splits.load_held_out: the test split's complement)."""
@@ -167,9 +175,7 @@ def collect(row: str, parent=None) -> dict:
     parent = parent or _parent_run(client, spec)
     m = parent.data.metrics
     child = client.get_run(parent.data.tags["dpsweep.released_run_id"])
-    keys = ("epsilon", "delta", "lr", "max_grad_norm", "batch_size", "epochs", "momentum", "model", "features",
-            "feature_norm_groups", "input_range", "test_size", "dataset")
-    config = {k: _param(child.data.params[k]) for k in keys if k in child.data.params}
+    config = {k: _param(child.data.params[k]) for k in CONFIG_KEYS if k in child.data.params}
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(client.download_artifacts(parent.info.run_id, "released/weights.pt", tmp))
         acc, n_held = held_out_accuracy(config, weights)
@@ -330,8 +336,8 @@ def doc_table(tuned: dict) -> str:
     """docs/dpsgd.md's tuned-headline table, from the results file's ``tuned`` section."""
     pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"  # noqa: E731
     lines = ["| end-to-end epsilon (target) | per-trial epsilon | E[K], distribution | released model, "
-             "held-out 5,000 (target) | its selection score | untuned recipe "
-             "(search not charged) | published (search not charged) | released config |",
+             "held-out 5,000 (target) | its selection score (newest pipeline) | untuned recipe "
+             "(search not charged) | published (search not charged) | released config (newest pipeline) |",
              "| --- " * 8 + "|"]
     for row in ("eps_3", "eps_1"):
         e = tuned.get(row)

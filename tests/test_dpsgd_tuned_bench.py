@@ -95,3 +95,31 @@ def test_the_audited_pipeline_is_the_shipped_spec_plus_the_audit_under_its_own_n
     audited = apply_overrides(raw, sets)
     assert audited["common"].pop("audit") == bench.AUDIT and audited == raw
     assert bench.AUDIT["mode"] == "whitebox" and name == "dpsgd_mnist_scatternet_tuned_eps3_audit"
+
+
+def test_collect_reads_every_parameter_the_held_out_score_needs(monkeypatch, tmp_path):
+    """``collect`` rebuilds the released model from its child run's parameters (CONFIG_KEYS): every key
+    held_out_accuracy reads must be among them (data_seed and seed were not, and --collect-only failed)."""
+    import dpmech.datasets.splits as splits
+    import dpmech.networks.dpsgd_models as models
+    import dpmech.networks.scatternet as scatternet
+
+    read = set()
+
+    class Recording(dict):
+        def __getitem__(self, key):
+            read.add(key)
+            return super().__getitem__(key)
+
+    x, y = torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long)
+    monkeypatch.setattr(splits, "load_held_out", lambda *a, **k: torch.utils.data.TensorDataset(x, y))
+    monkeypatch.setattr(scatternet, "scatter_features", lambda images, **k: torch.zeros(len(images), 3))
+    monkeypatch.setattr(scatternet, "feature_shape", lambda shape: (3,))
+    model = torch.nn.Linear(3, 10)
+    monkeypatch.setattr(models, "build_feature_model", lambda *a, **k: model)
+    torch.save(model.state_dict(), tmp_path / "w.pt")
+    params = {"dataset": "mnist", "test_size": 5000, "data_seed": 0, "seed": 0, "input_range": "unit",
+              "model": "linear", "feature_norm_groups": 27}
+    acc, n = bench.held_out_accuracy(Recording(params), tmp_path / "w.pt")
+    assert n == 4 and 0.0 <= acc <= 1.0
+    assert read and read <= set(bench.CONFIG_KEYS), read - set(bench.CONFIG_KEYS)
