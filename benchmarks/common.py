@@ -105,11 +105,57 @@ def seed_runs(runs: Path, row: str) -> list[dict]:
     return sorted((json.loads(p.read_text()) for p in runs.glob(f"{row}_seed*.json")), key=lambda r: r["seed"])
 
 
+def _claim_owner_dead(claim: Path) -> bool:
+    """Whether ``claim`` names a process of this host that no longer exists (killed: its ``finally`` never
+    ran). A claim without an owner (written before claims named one) or of another host counts as alive."""
+    import os
+    import socket
+
+    try:
+        host, pid = claim.read_text().split()
+        pid = int(pid)
+    except (OSError, ValueError):
+        return False
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _take_claim(claim: Path) -> bool:
+    """Create ``claim`` naming this process (host, pid); a claim left by a dead process of this host is
+    moved aside first (an atomic rename: of two processes finding it stale, one takes it over)."""
+    import os
+    import socket
+
+    for _ in range(2):
+        try:
+            with claim.open("x") as f:
+                f.write(f"{socket.gethostname()} {os.getpid()}\n")
+            return True
+        except FileExistsError:
+            if not _claim_owner_dead(claim):
+                return False
+            try:
+                claim.rename(claim.with_name(f"{claim.name}.stale-{os.getpid()}"))
+            except FileNotFoundError:
+                return False
+            claim.with_name(f"{claim.name}.stale-{os.getpid()}").unlink(missing_ok=True)
+            log(f"[{claim.stem}] the process that claimed it died: taken over")
+    return False
+
+
 @contextmanager
 def claimed_unit(runs: Path, stem: str, label: str | None = None):
     """One resumable unit of a long benchmark: yields the JSON path to write when the unit has to
-    run, or None when ``runs/<stem>.json`` exists (done) or another process holds
-    ``runs/<stem>.running`` (delete it if that process died); the claim is released on exit."""
+    run, or None when ``runs/<stem>.json`` exists (done) or another live process holds
+    ``runs/<stem>.running`` (it names its host and pid; a claim whose process of this host died, killed
+    before it could release it, is taken over); the claim is released on exit."""
     label = label or stem
     path = runs / f"{stem}.json"
     if path.exists():
@@ -117,10 +163,9 @@ def claimed_unit(runs: Path, stem: str, label: str | None = None):
         yield None
         return
     claim = runs / f"{stem}.running"
-    try:
-        claim.open("x").close()
-    except FileExistsError:
-        log(f"[{label}] claimed by another process ({claim.name}), skipped")
+    if not _take_claim(claim):
+        log(f"[{label}] claimed by another process ({claim.name}: {claim.read_text().strip() or 'no owner recorded'};"
+            " delete it if that process died), skipped")
         yield None
         return
     try:
