@@ -41,6 +41,10 @@ def _checkpoints(storage: Path) -> list[Path]:
 
 
 def test_ctrl_c_exits_130_kills_the_parent_and_resume_logs_each_step_once(tmp_path):
+    """SIGINT inside the first trial's first epoch (the second never started): exit 130, the parent run
+    KILLED, and ``dpsweep resume`` finishes both trials, each epoch's metrics logged once, each trial
+    certified, one MLflow run each (this test replaced test_sweep_e2e's interrupt-and-resume test, whose
+    assertions it holds)."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     spec = _spec(tmp_path, "sigint", [0.5, 1.0], max_concurrent_trials=1)
     raw = yaml.safe_load(spec.read_text())
@@ -78,6 +82,7 @@ def test_ctrl_c_exits_130_kills_the_parent_and_resume_logs_each_step_once(tmp_pa
         for key in ("train_loss", "test_acc"):
             assert _steps(client, run.info.run_id, key) == [1, 2, 3], (run.info.run_name, key)
         assert _steps(client, run.info.run_id, "acc_clean") == [3]
+        assert "cert_acc_0.1" in run.data.metrics       # the resumed trials reach their certification
     assert _checkpoints(tmp_path / "ray_results") == []  # finished trials' checkpoints are gone
 
 

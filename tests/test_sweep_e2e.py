@@ -7,10 +7,6 @@ store; Ray runs locally (one instance per test module).
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -179,37 +175,6 @@ def test_crash_mid_training_resumes_into_the_same_run(tmp_path, ray_local):
     assert len(retried) == 1 and "injected crash" in retried[0].data.tags["dpsweep.error_retried"]
     path = client.download_artifacts(retried[0].info.run_id, "error/traceback.txt", str(tmp_path))
     assert "RuntimeError: injected crash after the first checkpoint" in Path(path).read_text()
-
-
-def test_interrupted_sweep_finished_by_resume(tmp_path):
-    """SIGINT the driver after the first checkpoint; `dpsweep resume` finishes every trial
-    without running any twice to completion or duplicating an MLflow run."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    spec = _spec(tmp_path, "interrupt", [0.5, 1.0, 2.0], max_concurrent_trials=1)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "sweeps.cli", "run", str(spec), "--tracking-uri", uri],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 240
-    storage = tmp_path / "ray_results"
-    while time.time() < deadline:
-        if list(storage.glob("*/*/checkpoint_*")):
-            break
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("no checkpoint appeared: " + (proc.stdout.read() if proc.stdout else ""))
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
-    exp_dirs = [p for p in storage.iterdir() if p.is_dir()]
-    assert len(exp_dirs) == 1
-    done = subprocess.run([sys.executable, "-m", "sweeps.cli", "resume", str(exp_dirs[0])], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    _, parents, children = _runs(uri, "interrupt")
-    assert len(parents) == 1
-    assert len(children) == 3
-    assert all(r.info.status == "FINISHED" for r in children)
-    assert all("cert_acc_0.1" in r.data.metrics for r in children)
 
 
 def test_optuna_multi_objective_and_asha(tmp_path, ray_local, monkeypatch):
