@@ -151,15 +151,12 @@ PRO_KEYS = ("label_delta", "pro_batch_size", "pro_lr", "pro_clip", "pro_proj_ima
 def feature_rules(cfg: LabelDPTrialConfig) -> None:
     """The high-privacy mechanisms' rules (one-line ValueError naming the key)."""
     fields = type(cfg).model_fields
-    for keys, mech in ((CLUSTER_KEYS, "cluster_rr"), (PRO_KEYS, "labeldp_pro")):
-        if cfg.mechanism != mech:
+    for keys, field, value in ((CLUSTER_KEYS, "mechanism", "cluster_rr"), (PRO_KEYS, "mechanism", "labeldp_pro"),
+                               (CNN_HEAD_KEYS, "head", "cnn")):
+        if getattr(cfg, field) != value:
             for key in keys:
                 if getattr(cfg, key) != fields[key].default:
-                    raise ValueError(f"{key}: applies to mechanism {mech} only (mechanism is {cfg.mechanism})")
-    if cfg.head != "cnn":
-        for key in CNN_HEAD_KEYS:
-            if getattr(cfg, key) != fields[key].default:
-                raise ValueError(f"{key}: applies to head cnn only (head is {cfg.head})")
+                    raise ValueError(f"{key}: applies to {field} {value} only ({field} is {getattr(cfg, field)})")
     if cfg.mechanism not in FEATURE_MECHANISMS:
         return
     if cfg.epsilon is None:
