@@ -16,6 +16,7 @@ from pydantic import ValidationError
 import dpmech.dp_merf.trainer
 import dpmech.dpsgd.trainer
 import dpmech.dpgan.config
+import dpmech.lipschitz.trainer
 from trainables.registry import REGISTRY
 
 PRIVATE = sorted(n for n, e in REGISTRY.items() if e.privacy_event is not None)
@@ -32,7 +33,7 @@ def _fast_calibration(monkeypatch):
         return 0.5 + int.from_bytes(digest[:6], "big") / 2 ** 48
 
     monkeypatch.setattr(dpmech.dpsgd.trainer, "calibrated_noise_multiplier", stand_in)
-    for module in (dpmech.dpgan.config, dpmech.dp_merf.trainer):
+    for module in (dpmech.dpgan.config, dpmech.dp_merf.trainer, dpmech.lipschitz.trainer):
         monkeypatch.setattr(module, "noise_multiplier_for", stand_in)
 
 
