@@ -44,9 +44,9 @@ def test_a_restarted_trial_under_a_new_ray_id_logs_into_its_own_run(tmp_path):
 
 
 def test_a_failed_run_is_not_handed_to_another_trial_of_the_same_driver(tmp_path):
-    """Two trials of one driver with one key (a user's Tuner sweeping a key the trainable drops: the
-    CI's test_sweep_e2e crash test under load): the first fails, the second starts before its retry.
-    The second opens its own run; the retry finds its own by its Ray id. Without a driver session (a
+    """Two trials of one driver with one key (a user's Tuner sweeping a key the trainable drops, as
+    the crash-and-retry test's Tuner does under load): the first fails, the second starts before its
+    retry. The second opens its own run; the retry finds its own by its Ray id. Without a driver session (a
     user's own Tuner) the key adopts nothing."""
     from trainables.tracking import TrialTracker
 
@@ -108,8 +108,8 @@ def test_driver_killed_after_a_trial_completed_then_two_resumes_count_each_trial
 
 
 def test_trials_differing_only_beyond_the_schema_have_their_own_keys():
-    """A user's own Tuner may sweep a key the schema does not know (tests/test_sweep_e2e.py's
-    ``crash``): the two trials validate to one config, yet are two trials with two runs."""
+    """A user's own Tuner may sweep a key the schema does not know (the crash-and-retry
+    test's ``crash_at``): the two trials validate to one config, yet are two trials with two runs."""
     from trainables.dpsgd import DPSGDTrialConfig
     from trainables.runtime import trial_key, validate_config
 

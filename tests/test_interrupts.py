@@ -247,6 +247,7 @@ def _assert_interrupted(sweep: _Sweep, rc: int, expected_rc: int, tmp_path: Path
     assert len(exp_dirs) == 1, out
     assert "continue with: " in out and f"resume {exp_dirs[0]}" in out, out
     assert "Traceback" not in out, out
+    assert "Tuner.restore" not in out and "TensorBoard" not in out, out  # Ray's own hints stay off
     client, parents, children = _runs(uri, name)
     assert len(parents) == 1 and parents[0].info.status == "KILLED", out
     assert "resume" in parents[0].data.tags["dpsweep.interrupted"]
@@ -300,6 +301,28 @@ def test_an_interrupt_at_any_moment_kills_the_parent_and_says_how_to_resume(tmp_
     assert f"interrupted ({signal.Signals(signals[0]).name}): 0 of 2 trials finished" in sweep.out
     if hook is not None:  # the trials were inside: their runs ended KILLED
         assert children and all(r.info.status == "KILLED" for r in children)
+    if moment == "epoch":  # the issue's case goes on: resume finishes both, nothing logged twice
+        _resume_finishes_each_trial_once(tmp_path, exp_dir, uri, name)
+
+
+def _resume_finishes_each_trial_once(tmp_path: Path, exp_dir: Path, uri: str, name: str) -> None:
+    """``dpsweep resume`` of an interrupted sweep: exit 0, the parent FINISHED, one FINISHED run per
+    trial (the KILLED ones reopened, not duplicated), each epoch's metrics and each final metric logged
+    once, every trial certified, no checkpoint left (a resume from a mid-trial checkpoint, with
+    per-epoch steps, is test_cluster_faults.py's killed-driver test)."""
+    resumed = _Sweep(tmp_path, ["resume", str(exp_dir)])
+    assert resumed.finish(300) == 0, resumed.out
+    client, parents, children = _runs(uri, name)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
+    epochs = yaml.safe_load((tmp_path / f"{name}.yaml").read_text())["common"]["epochs"]
+    for run in children:
+        for key in ("train_loss", "test_acc"):
+            assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(
+                range(1, epochs + 1)), (run.info.run_name, key)
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "acc_clean")] == [epochs]
+        assert "cert_acc_0.1" in run.data.metrics       # the resumed trials reach their certification
+    assert sorted(exp_dir.glob("*/checkpoint_*")) == []  # finished trials' checkpoints are gone
 
 
 @slow

@@ -1,4 +1,5 @@
-"""End to end through Ray Tune and MLflow: the CLI, a crash-and-retry, and `dpsweep resume`.
+"""End to end through Ray Tune and MLflow: the CLI, multi-objective Optuna with ASHA, two mechanisms
+in one sweep (a crash and its retry: tests/test_lifecycle_e2e.py; `dpsweep resume`: test_interrupts.py).
 
 Each test runs tiny PixelDP trials on a small real-MNIST subset against a temporary SQLite
 store; Ray runs locally (one instance per test module).
@@ -6,7 +7,6 @@ store; Ray runs locally (one instance per test module).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -114,67 +114,6 @@ def test_cli_sweep_logs_parent_and_children(tmp_path, ray_local, monkeypatch, ca
     assert (tmp_path / "report" / "cert_acc_vs_size.png").exists()
     text = report.read_text()   # PixelDP only: no privacy epsilon, so no privacy caveat to make (issue 51.7)
     assert "reports a privacy epsilon for its training data" in text and "per-trial epsilons above" not in text
-
-
-def test_crash_mid_training_resumes_into_the_same_run(tmp_path, ray_local):
-    """A trial that raises after its first epoch's checkpoint on its first attempt is retried,
-    resumes from that checkpoint, logs into the same MLflow run and ends exactly like an
-    uninterrupted run with the same seed."""
-    from ray import tune
-
-    from sweeps.tracking import start_parent_run
-
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    marker = tmp_path / "crashed-once"
-
-    def flaky(config):
-        import ray.tune as rt
-
-        from trainables.pixeldp import pixeldp
-
-        config = dict(config)
-        crash = config.pop("crash")
-        original = rt.report
-        calls = [0]
-
-        def report(metrics, checkpoint=None):
-            original(metrics, checkpoint=checkpoint)
-            calls[0] += 1
-            if crash and calls[0] == 1 and not os.path.exists(str(marker)):
-                open(str(marker), "w").close()
-                raise RuntimeError("injected crash after the first checkpoint")
-
-        rt.report = report
-        try:
-            return pixeldp(config)
-        finally:
-            rt.report = original
-
-    info = start_parent_run(uri, "crash", "crash", {"name": "crash"}, {})
-    space = {**TINY, "epochs": 3, "seed": 7, "_mlflow": info, "crash": tune.grid_search([True, False])}
-    tuner = tune.Tuner(
-        tune.with_resources(flaky, {"cpu": 1}), param_space=space,
-        run_config=tune.RunConfig(storage_path=str(tmp_path / "ray"), name="crash",
-                                  failure_config=tune.FailureConfig(max_failures=1)),
-    )
-    results = tuner.fit()
-    assert marker.exists()
-    assert not results.errors
-    final = {r.config["crash"]: r.metrics for r in results}
-    for key in ("robustness_epsilon", "acc_clean", "acc_pgd_0.1", "cert_acc_0.05", "acc_clean_expected"):
-        assert final[True][key] == pytest.approx(final[False][key], abs=1e-9), key
-
-    client, _, children = _runs(uri, "crash")
-    assert len(children) == 2  # the crashed trial did not open a second run
-    for run in children:
-        hist = client.get_metric_history(run.info.run_id, "train_loss")
-        assert sorted(h.step for h in hist) == [1, 2, 3]
-        assert run.info.status == "FINISHED"
-        assert "dpsweep.error" not in run.data.tags          # finished: no error tag (issue 33, point 7)
-    retried = [r for r in children if "dpsweep.error_retried" in r.data.tags]
-    assert len(retried) == 1 and "injected crash" in retried[0].data.tags["dpsweep.error_retried"]
-    path = client.download_artifacts(retried[0].info.run_id, "error/traceback.txt", str(tmp_path))
-    assert "RuntimeError: injected crash after the first checkpoint" in Path(path).read_text()
 
 
 def test_optuna_multi_objective_and_asha(tmp_path, ray_local, monkeypatch):
