@@ -16,6 +16,9 @@ Every unit writes ``benchmarks/results/lipschitz_mnist/<unit>.json``; the summar
 "acc_clean", "epsilon", "epsilon_pld", "lipschitz", "seeds", "certificate": "deterministic"}`` (the lead
 copies it there: :func:`lipschitz_rows`).
 
+A unit saves its trainer after every epoch under ``--ckpt-dir`` (outside the repository) and, run again
+after a stop, resumes there with the same result; the checkpoint goes once the unit's file is written.
+
     python benchmarks/lipschitz_mnist.py --epsilons 3 1 --seeds 0 1 2            # full MNIST (60,000 images)
     python benchmarks/lipschitz_mnist.py --epsilons 3 --train-size 5000 --tag quick   # the preliminary figure
     python benchmarks/lipschitz_mnist.py --split val --epsilons 3 --train-size 5000 --set tau=4   # choose a recipe
@@ -45,8 +48,12 @@ RECIPE = {"batch_size": 512, "epochs": 20, "lr": 2e-3, "tau": 16.0, "input_radiu
 
 
 def run_unit(epsilon: float | None, seed: int = 0, split: str = "test", train_size: int | None = None,
-             cert_images: int = 500, recipe: dict | None = None, threads: int = 1) -> dict:
-    """Train one model and certify it; the unit's record (percentages, radii in the [0, 1] domain)."""
+             cert_images: int = 500, recipe: dict | None = None, threads: int = 1, ckpt: Path | None = None) -> dict:
+    """Train one model and certify it; the unit's record (percentages, radii in the [0, 1] domain).
+
+    ``ckpt``: the trainer's state after every epoch (model, optimizer, ledger, the research mode's
+    generator states; ``LipschitzDPTrainer.state_dict``), so a unit stopped part-way (a session's end)
+    resumes at its last epoch and ends with the weights, ledger and record an uninterrupted run has."""
     from dp_certified_mnist import load_data
 
     from dpmech.lipschitz.certify import certify
@@ -63,11 +70,23 @@ def run_unit(epsilon: float | None, seed: int = 0, split: str = "test", train_si
                             noise_allocation=r["noise_allocation"], seed=seed)
     # a benchmark's noise: reproducible from the public seed (labelled; docs/threat_model.md)
     trainer = LipschitzDPTrainer(model, x, y, cfg, noise_key=NoiseKey.reproducible(seed))
+    history, before_s = [], 0.0
+    if ckpt is not None and ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)      # our own file
+        trainer.load_state_dict(saved["trainer"])
+        history, before_s = saved["history"], saved["train_seconds"]
+        print(f"[{ckpt.stem}] resumed after epoch {trainer.epoch} of {cfg.epochs}", flush=True)
     t0 = time.time()
-    history = []
     while trainer.epoch < cfg.epochs:
         history.append(trainer.train_epoch())
-    train_s = time.time() - t0
+        print(f"[{ckpt.stem if ckpt else 'unit'}] epoch {trainer.epoch}/{cfg.epochs}: train_loss "
+              f"{history[-1]['train_loss']:.4f} ({time.time() - t0 + before_s:.0f}s)", flush=True)
+        if ckpt is not None:
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"trainer": trainer.state_dict(), "history": history,
+                        "train_seconds": time.time() - t0 + before_s}, ckpt.with_suffix(".tmp"))
+            ckpt.with_suffix(".tmp").replace(ckpt)
+    train_s = time.time() - t0 + before_s
     cert = certify(trainer.model, xc, yc)
     priv = trainer.privacy()
     return {"epsilon_target": epsilon, "seed": seed, "split": split, "train_size": int(x.shape[0]), "recipe": r,
@@ -120,6 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(RESULTS / "lipschitz_mnist.json"))
+    ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/lipschitz_mnist_ckpt"),
+                    help="per-epoch checkpoints, outside the repository; a unit resumes from its own")
     a = ap.parse_args(argv)
     recipe = {k: (v if k == "noise_allocation" else float(v)) for k, v in (s.split("=", 1) for s in a.set)}
     unit_dir = RESULTS / "lipschitz_mnist"
@@ -132,10 +153,12 @@ def main(argv=None) -> int:
             if path.exists():
                 done.append(json.loads(path.read_text()))
                 continue
-            rec = run_unit(eps, seed, a.split, a.train_size, a.cert_images, recipe, a.threads)
+            ckpt = a.ckpt_dir / f"{path.stem}.pt"
+            rec = run_unit(eps, seed, a.split, a.train_size, a.cert_images, recipe, a.threads, ckpt)
             rec.update(device=platform.processor() or platform.machine(), torch=torch.__version__,
                        date=time.strftime("%Y-%m-%d"), tag=a.tag)
             path.write_text(json.dumps(rec, indent=1))
+            ckpt.unlink(missing_ok=True)
             print(json.dumps({k: rec[k] for k in ("epsilon", "acc_clean", "cert_acc", "lipschitz", "train_seconds")}))
             done.append(rec)
     if a.split == "test":
