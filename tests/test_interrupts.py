@@ -5,9 +5,10 @@ epoch, during the final MLflow log, after the trials closed their runs; once or 
 143 (the first signal's), the parent run KILLED, no child run left RUNNING, no trial process left to
 touch one, the resume command printed, and resume finishes the sweep without logging anything twice.
 (The evaluation after the last epoch, a moment with the trials' runs open like the first epoch, was
-a case of its own until 2026-12-07; the hook still offers it.) Point 11: each sweep its own directory; one definition of "finished" (the trial's final
-result / its FINISHED child run) for the console count, the interrupt line and ``resume``, which
-never runs a trial MLflow already has FINISHED.
+a case of its own until 2026-12-07; the hook still offers it.) Point 11: each sweep its own
+directory; one definition of "finished" (the trial's final result / its FINISHED child run) for the
+console count, the interrupt line and ``resume``, which never runs a trial MLflow already has
+FINISHED.
 
 The end-to-end tests run ``dpsweep run`` as a subprocess on tiny PixelDP trials; a test hook
 (``tests/interrupt_hooks/sitecustomize.py``) holds the driver or the trials at the moment to
