@@ -43,6 +43,15 @@ def environment(device: torch.device) -> dict:
             "versions": versions, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
 
+def save_checkpoint(state, path: Path) -> None:
+    """``torch.save`` that never leaves a half-written file at ``path``: a ``.tmp`` beside it, then an
+    atomic rename (a unit killed mid-write resumes from the previous epoch's checkpoint)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
 def write_result(name: str, payload: dict, out: Path | None = None) -> Path:
     path = out or RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

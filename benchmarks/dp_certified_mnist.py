@@ -59,7 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (RESULTS, claimed_unit, environment, log, read_result, update_doc_blocks,  # noqa: E402
+from benchmarks.common import (RESULTS, claimed_unit, environment, log, read_result, save_checkpoint, update_doc_blocks,  # noqa: E402
                                write_result)
 
 NAME = "dp_certified_mnist"
@@ -419,9 +419,7 @@ def run_unit(method: str, eps_row: str, sigma01: float, seed: int, *, split: str
         state = {"trainer": trainer.state_dict(), "epoch_seconds": epoch_seconds, "fresh_secret_at_epochs": fresh_at}
         for path, st in ((ckpt, state), (public, public_state(state))):
             if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save(st, path.with_suffix(".tmp"))
-                path.with_suffix(".tmp").replace(path)
+                save_checkpoint(st, path)
     model = trainer.model.eval()
     p = trainer.privacy()
     out = {"unit": unit_stem(method, eps_row, sigma01, seed, split, n), "method": method, "network": recipe["model"],
@@ -597,9 +595,7 @@ def run_mechanism_unit(method: str, eps_row: str, sigma01: float, seed: int, *, 
         log(f"[{label}] epoch {trainer.epoch}/{cfg.epochs} loss {stats['train_loss']:.4f} "
             f"train_acc {stats['train_acc']:.4f} ({epoch_seconds[-1]:.0f}s)")
         if ckpt is not None:
-            ckpt.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"trainer": trainer.state_dict(), "epoch_seconds": epoch_seconds}, ckpt.with_suffix(".tmp"))
-            ckpt.with_suffix(".tmp").replace(ckpt)
+            save_checkpoint({"trainer": trainer.state_dict(), "epoch_seconds": epoch_seconds}, ckpt)
     model = trainer.model.eval()
     base, sigma_pm1 = smoothing_base(method, model, cfg)
     out = {**head, "method": method, "mechanism": MECHANISMS[method]["trainable"], "epsilon_row": eps_row,

@@ -56,6 +56,8 @@ def run_unit(epsilon: float | None, seed: int = 0, split: str = "test", train_si
     resumes at its last epoch and ends with the weights, ledger and record an uninterrupted run has."""
     from dp_certified_mnist import load_data
 
+    from benchmarks.common import save_checkpoint
+
     from dpmech.lipschitz.certify import certify
     from dpmech.lipschitz.network import mnist_lipschitz_cnn
     from dpmech.lipschitz.trainer import LipschitzDPConfig, LipschitzDPTrainer
@@ -79,13 +81,11 @@ def run_unit(epsilon: float | None, seed: int = 0, split: str = "test", train_si
     t0 = time.time()
     while trainer.epoch < cfg.epochs:
         history.append(trainer.train_epoch())
+        train_s = time.time() - t0 + before_s
         print(f"[{ckpt.stem if ckpt else 'unit'}] epoch {trainer.epoch}/{cfg.epochs}: train_loss "
-              f"{history[-1]['train_loss']:.4f} ({time.time() - t0 + before_s:.0f}s)", flush=True)
+              f"{history[-1]['train_loss']:.4f} ({train_s:.0f}s)", flush=True)
         if ckpt is not None:
-            ckpt.parent.mkdir(parents=True, exist_ok=True)
-            torch.save({"trainer": trainer.state_dict(), "history": history,
-                        "train_seconds": time.time() - t0 + before_s}, ckpt.with_suffix(".tmp"))
-            ckpt.with_suffix(".tmp").replace(ckpt)
+            save_checkpoint({"trainer": trainer.state_dict(), "history": history, "train_seconds": train_s}, ckpt)
     train_s = time.time() - t0 + before_s
     cert = certify(trainer.model, xc, yc)
     priv = trainer.privacy()

@@ -39,7 +39,6 @@ def test_a_unit_stopped_after_an_epoch_resumes_to_the_uninterrupted_record(tmp_p
     with pytest.raises(KeyboardInterrupt):
         bench.run_unit(**KW, ckpt=ckpt)
     assert ckpt.exists()
-    monkeypatch.setattr(LipschitzDPTrainer, "train_epoch", real)
 
     trained = []
     monkeypatch.setattr(LipschitzDPTrainer, "train_epoch", lambda self: (trained.append(self.epoch), real(self))[1])
