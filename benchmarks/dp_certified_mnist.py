@@ -95,10 +95,13 @@ METHODS = {"gaussian": dict(augment_multiplicity=1),
            "smoothadv": dict(augment_multiplicity=K_DEFAULT, smoothadv_radius=1.0, smoothadv_steps=1)}
 # The same objectives on the LeNet the smoothing literature certifies MNIST with (431,080 parameters against
 # tb_cnn's 26,010; dpmech.networks.dpsgd_models.LeNet): the check of the non-private row against Cohen et
-# al.'s figures on their network (--methods lenet_gaussian lenet_consistency --epsilons none; not in the
-# default grid: its CERTIFY at N 100,000 costs about 3 core-hours a unit on this CPU, minutes on a GPU)
-METHOD_NETWORK = {"lenet_gaussian": "lenet", "lenet_consistency": "lenet"}
-METHODS.update({"lenet_gaussian": METHODS["gaussian"], "lenet_consistency": METHODS["consistency"]})
+# al.'s figures on their network (--methods lenet_gaussian lenet_consistency --epsilons none), and under DP the
+# network lever of issue 53.2 (lenet_dpcert: DP-CERT's k = 4 objective on it). Not in the default grid: on one
+# core of this CPU a unit's CERTIFY at N 100,000 takes about an hour, and DP-SGD at epsilon 3 about 1.5 hours
+# (4x tb_cnn's step); minutes on a GPU
+METHOD_NETWORK = {"lenet_gaussian": "lenet", "lenet_dpcert": "lenet", "lenet_consistency": "lenet"}
+METHODS.update({"lenet_gaussian": METHODS["gaussian"], "lenet_dpcert": METHODS["dpcert"],
+                "lenet_consistency": METHODS["consistency"]})
 # DP-CERT's own MNIST recipe (issue 53.1), run in dpsweep: its network is Tramer & Boneh's tanh CNN (its
 # config/images.py: channels 16 / 32, kernels 8 / 4, strides 2, max-pool 2 stride 1, fc 32: our tb_cnn), SGD lr
 # 0.5 momentum 0.9, batch 512, 40 epochs, C 0.1, noise multiplier 1.23 (the dp_cert_noise row), and DP-Gaussian

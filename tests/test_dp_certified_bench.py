@@ -377,11 +377,15 @@ def test_the_figure_curve_from_per_image_radii_agrees_with_the_summary(demo):
 
 
 def test_lenet_methods_train_the_same_objective_on_cohen_s_network(tmp_path):
-    """``lenet_gaussian`` / ``lenet_consistency``: the objective of ``gaussian`` / ``consistency`` on
-    LeNet; every other method stays on tb_cnn. A demo unit records its network and the envelope shows it."""
-    cfg, recipe = bench.make_config("non_private", "lenet_consistency", 1.0, 0)
-    base, base_recipe = bench.make_config("non_private", "consistency", 1.0, 0)
-    assert recipe["model"] == "lenet" and base_recipe["model"] == "tb_cnn" and cfg.to_dict() == base.to_dict()
+    """``lenet_gaussian`` / ``lenet_dpcert`` / ``lenet_consistency``: the objective of ``gaussian`` /
+    ``dpcert`` / ``consistency`` on LeNet, at any epsilon row; every other method stays on tb_cnn. A demo
+    unit records its network and the envelope shows it."""
+    for row, method in (("non_private", "consistency"), ("eps_3", "dpcert"), ("eps_1", "gaussian")):
+        cfg, recipe = bench.make_config(row, f"lenet_{method}", 1.0, 0)
+        base, base_recipe = bench.make_config(row, method, 1.0, 0)
+        assert recipe["model"] == "lenet" and base_recipe["model"] == "tb_cnn" and cfg.to_dict() == base.to_dict()
+    assert {m for m, net in bench.METHOD_NETWORK.items() if net == "lenet"} == {
+        "lenet_gaussian", "lenet_dpcert", "lenet_consistency"}
     out = tmp_path / "demo.json"
     bench.main(["--demo", "--out", str(out), "--methods", "lenet_gaussian", "--epsilons", "none", "--sigmas", "0.5",
                 "--threads", "2"])
