@@ -22,3 +22,5 @@ unit --epsilons none --methods gaussian --sigmas 0.5 $V
 unit --epsilons none --methods dpcert --sigmas 0.5 $V
 unit --epsilons none --methods lenet_consistency --sigmas 0.5 --seeds 0 --n 100000
 unit --epsilons none --methods lenet_consistency --sigmas 0.5 $V
+unit --epsilons none --methods lenet_gaussian --sigmas 0.25 --seeds 0 --n 100000     # r 0.5: Cohen et al.'s sigma there
+unit --epsilons none --methods lenet_gaussian --sigmas 0.25 $V
