@@ -1235,7 +1235,8 @@ def write_docs(path: Path | None = None, doc: Path = DOC, figure: Path | None = 
 
 
 # ------------------------------------------------------------------ main
-def main(argv=None) -> dict | None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (``main``'s; benchmarks/dp_certified_mnist_queue.sh's lines are checked against it)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS) + list(MECHANISMS),
                     help="DP-SGD methods, or the other mechanisms (dpal_sound, secure_sgd: epsilons 3 / 1; pixeldp: "
@@ -1257,7 +1258,17 @@ def main(argv=None) -> dict | None:
     ap.add_argument("--demo", action="store_true",
                     help="a tiny run in seconds (512 images, batch 128, 1 epoch, 20 images at N 200)")
     ap.add_argument("--out", type=Path, default=None, help="write the summary here instead (demo: required)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def jobs_of(args) -> list[tuple[str, str, float, int]]:
+    """The units a command line asks for: (method, row, sigma_01, seed), seed-major."""
+    return [(m, EPSILONS[e], s, seed) for seed in args.seeds for e in args.epsilons for s in args.sigmas
+            for m in args.methods]
+
+
+def main(argv=None) -> dict | None:
+    args = parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.summary:
@@ -1277,9 +1288,7 @@ def main(argv=None) -> dict | None:
     if demo:
         args.n, args.cert_images = min(args.n, 200), min(args.cert_images, 20)
     runs.mkdir(parents=True, exist_ok=True)
-    jobs = [(m, EPSILONS[e], s, seed) for seed in args.seeds for e in args.epsilons for s in args.sigmas
-            for m in args.methods]
-    for method, row, sigma, seed in jobs:
+    for method, row, sigma, seed in jobs_of(args):
         if method in MECHANISMS and row not in MECHANISMS[method]["rows"]:
             log(f"[{method} {row}] skipped: {method} runs in the rows {', '.join(MECHANISMS[method]['rows'])} "
                 f"(its epsilon protects {MECHANISMS[method]['protects']})")

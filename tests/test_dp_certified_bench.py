@@ -449,3 +449,23 @@ def test_dp_certs_own_recipe_is_reported_per_n_the_way_dp_cert_reports_it():
     table = bench.docs_table({"dpcert_recipe": rows})
     assert "DP-CERT's recipe in dpsweep (tb_cnn, k 2, noise multiplier 1.23)" in table and "N 100,000" in table
     assert bench.dpcert_recipe_rows(units[-1:]) is None
+
+
+def test_every_line_of_the_queue_is_one_valid_unit_of_the_benchmark():
+    """benchmarks/dp_certified_mnist_queue.sh (the units issue 53 still needs): each ``unit`` line parses
+    with the benchmark's own command line and asks for exactly one unit (a worker's claim is per line),
+    none twice; a line naming a method that does not exist fails here, not hours into a queue."""
+    import shlex
+    from pathlib import Path
+
+    text = (Path(bench.__file__).parent / "dp_certified_mnist_queue.sh").read_text()
+    v = next(line.split("=", 1)[1].strip().strip('"') for line in text.splitlines() if line.startswith("V="))
+    stems = []
+    for line in text.splitlines():
+        if not line.startswith("unit "):
+            continue
+        argv = shlex.split(line.split("#", 1)[0].replace("$V", v))[1:]
+        args = bench.parser().parse_args(argv)
+        (job,) = bench.jobs_of(args)
+        stems.append(bench.unit_stem(*job, args.split, args.n))
+    assert len(stems) >= 10 and len(set(stems)) == len(stems), stems
