@@ -233,13 +233,27 @@ def _tiny_spec(tmp_path: Path, name: str) -> Path:
 
 
 def _alive(pid: int) -> bool:
+    """The process runs (a zombie, exited but not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _still_running(pids, timeout: float = 30.0) -> list[int]:
+    """The processes of ``pids`` still running after up to ``timeout`` seconds: Ray ends a stopped
+    trial's worker process asynchronously, in under a second on a quiet machine and in several on a
+    loaded one, so the test waits for them to end instead of sampling once."""
+    deadline = time.monotonic() + timeout
+    while (alive := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
 
 
 def _assert_interrupted(sweep: _Sweep, rc: int, expected_rc: int, tmp_path: Path, name: str, uri: str,
@@ -255,8 +269,8 @@ def _assert_interrupted(sweep: _Sweep, rc: int, expected_rc: int, tmp_path: Path
     assert len(parents) == 1 and parents[0].info.status == "KILLED", out
     assert "resume" in parents[0].data.tags["dpsweep.interrupted"]
     assert [r.info.run_name for r in children if r.info.status == "RUNNING"] == [], out
-    time.sleep(1.0)  # no trial process is left that could set its run RUNNING again
-    assert [pid for pid in trial_pids if _alive(pid)] == []
+    # no trial process is left that could set its run RUNNING again (and none did before it ended)
+    assert _still_running(trial_pids) == []
     assert all(r.info.status != "RUNNING" for r in _runs(uri, name)[2])
     return exp_dirs[0], children
 
