@@ -97,7 +97,7 @@ METHODS = {"gaussian": dict(augment_multiplicity=1),
 # tb_cnn's 26,010; dpmech.networks.dpsgd_models.LeNet): the check of the non-private row against Cohen et
 # al.'s figures on their network (--methods lenet_gaussian lenet_consistency --epsilons none), and under DP the
 # network lever of issue 53.2 (lenet_dpcert: DP-CERT's k = 4 objective on it). Not in the default grid: on one
-# core of this CPU a unit's CERTIFY at N 100,000 takes about an hour, and DP-SGD at epsilon 3 about 1.5 hours
+# core of this CPU a unit's CERTIFY at N 100,000 takes 75-95 minutes, and DP-SGD at epsilon 3 about 1.5 hours
 # (4x tb_cnn's step); minutes on a GPU
 METHOD_NETWORK = {"lenet_gaussian": "lenet", "lenet_dpcert": "lenet", "lenet_consistency": "lenet"}
 METHODS.update({"lenet_gaussian": METHODS["gaussian"], "lenet_dpcert": METHODS["dpcert"],
