@@ -746,10 +746,14 @@ def like_for_like_choice(units: list[dict], n: int = LIKE_FOR_LIKE_N) -> dict:
     ``n`` that can reach the radius (CERTIFY's largest radius at their sigma and N), the best mean
     certified accuracy there. A radius no validation unit reaches (2.0 at N 10,000 needs sigma_01 >= 0.63)
     takes the method best on validation at the largest radius it did reach, at the smallest of
-    ``SIGMAS_01`` that reaches it (a choice by reach, said so). ``{r: (method, sigma, how)}``."""
+    ``SIGMAS_01`` that reaches it (a choice by reach, said so). ``{r: (method, sigma, how)}``.
+    The candidates are the grid issue 53.1 compared, fixed before its figures: the default methods on
+    ``tb_cnn`` at the literature's ``SIGMAS_01``; later explorations of the epsilon-3 row (another sigma,
+    the LeNet) have validation units too, and do not enter this row's choice."""
     val: dict[tuple, list[dict]] = {}
     for u in units:
-        if u["split"] == "val" and u["epsilon_row"] == "eps_3" and u["n"] == n and u.get("method") in METHODS:
+        if (u["split"] == "val" and u["epsilon_row"] == "eps_3" and u["n"] == n
+                and u.get("method") in DEFAULT_METHODS and u["sigma_01"] in SIGMAS_01):
             val.setdefault((u["method"], u["sigma_01"]), []).append(u)
     out = {}
     if not val:
