@@ -8,19 +8,35 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 unit() { "$PY" benchmarks/dp_certified_mnist.py --threads 1 "$@" || echo "unit failed: $*"; }
 V="--split val --n 10000 --seeds 0"
-# 53.4, the non-private row with the LeNet: the N 100,000 units, then the validation split that chooses
+# 53.4, the non-private row with the LeNet: the N 100,000 units, then the validation units that choose the row
+# (every test configuration of a row needs one before validation chooses it: envelope())
 unit --epsilons none --methods lenet_gaussian --sigmas 0.5 --seeds 0 --n 100000
 unit --epsilons none --methods lenet_consistency --sigmas 1.0 --seeds 0 --n 100000
-unit --epsilons 3 --methods lenet_dpcert --sigmas 0.5 $V          # 53.2: does the LeNet help under DP?
-# 53.2 / 53.3: sigma_01 0.75, between the literature's 0.5 (reach 1.9 at N 100,000: r 1.5 needs p_A 0.9987) and
-# 1.0 (r 1.5-2.0 need only 0.93-0.98, but its accuracy under noise is 7 points lower), on the validation split
+unit --epsilons none --methods lenet_gaussian --sigmas 0.5 $V
+# 53.2: levers at epsilon 3 on the validation split (the LeNet, sigma_01 0.75, k = 8)
+unit --epsilons 3 --methods lenet_dpcert --sigmas 0.5 $V
 unit --epsilons 3 --methods dpcert --sigmas 0.75 $V
 unit --epsilons 3 --methods consistency --sigmas 0.75 $V
-unit --epsilons none --methods lenet_gaussian --sigmas 0.5 $V
+unit --epsilons 3 --methods dpcert_k8 --sigmas 0.5 $V
 unit --epsilons none --methods lenet_consistency --sigmas 1.0 $V
 unit --epsilons none --methods gaussian --sigmas 0.5 $V
 unit --epsilons none --methods dpcert --sigmas 0.5 $V
+# the epsilon 3 row's test configurations that have no validation unit yet (then validation chooses the row)
+unit --epsilons 3 --methods gaussian --sigmas 1.0 $V
+unit --epsilons 3 --methods consistency --sigmas 1.0 $V
+unit --epsilons 3 --methods dpcert --sigmas 1.0 $V
+# 53.4: the LeNet at the literature's other sigmas (r 1.0 / 1.5 and r 0.5), each with its validation unit
 unit --epsilons none --methods lenet_consistency --sigmas 0.5 --seeds 0 --n 100000
 unit --epsilons none --methods lenet_consistency --sigmas 0.5 $V
 unit --epsilons none --methods lenet_gaussian --sigmas 0.25 --seeds 0 --n 100000     # r 0.5: Cohen et al.'s sigma there
 unit --epsilons none --methods lenet_gaussian --sigmas 0.25 $V
+# the epsilon 1 row's test configurations on the validation split
+unit --epsilons 1 --methods dpcert --sigmas 0.5 $V
+unit --epsilons 1 --methods consistency --sigmas 1.0 $V
+unit --epsilons 1 --methods gaussian --sigmas 0.5 $V
+unit --epsilons 1 --methods gaussian --sigmas 1.0 $V
+# 53.4: seeds 1 and 2 of the LeNet configurations
+unit --epsilons none --methods lenet_gaussian --sigmas 0.5 --seeds 1 --n 100000
+unit --epsilons none --methods lenet_consistency --sigmas 1.0 --seeds 1 --n 100000
+unit --epsilons none --methods lenet_gaussian --sigmas 0.5 --seeds 2 --n 100000
+unit --epsilons none --methods lenet_consistency --sigmas 1.0 --seeds 2 --n 100000
