@@ -145,8 +145,10 @@ ANCHORS = {
     "dp_cert_eps_3": {"0.5": 93.3, "1.0": 81.3, "1.5": 49.8, "2.0": 26.3,
                       "source": "layer6ai-labs/dp-cert, notebooks/tables_and_figures_for_paper.ipynb (delta 1e-6)"},
 }
-TARGETS = {"eps_3": {"0.5": 94, "1.0": 84, "1.5": 52, "2.0": 30},
-           "eps_1": {"0.5": 90, "1.0": 75, "1.5": 40, "2.0": 20},
+# issue 53's targets (2.-4.); issue 36's were eps_3 94 / 84 / 52 / 30 and eps_1 90 / 75 / 40 / 20 (eps_1 met
+# over three seeds, eps_3 at r 1.5)
+TARGETS = {"eps_3": {"0.5": 94, "1.0": 84, "1.5": 62, "2.0": 30},
+           "eps_1": {"0.5": 92, "1.0": 81, "1.5": 56, "2.0": 26},
            "non_private": {"0.5": 97, "1.0": 90, "1.5": 70, "2.0": 35}}
 
 
@@ -844,6 +846,43 @@ def dpcert_recipe_rows(units: list[dict]) -> dict | None:
     return out
 
 
+def validation_units(units: list[dict]) -> list[dict]:
+    """Every validation-split unit (55,000 training images, 500 of the other 5,000 certified): what each lever
+    explored measured, the row it belongs to, and whether a row's choice can rest on it (``envelope`` uses
+    them only once they cover every test configuration of the row). Sorted by row, then method, sigma, seed."""
+    order = {row: i for i, row in enumerate(RECIPES)}
+    out = []
+    for u in sorted((u for u in units if u["split"] == "val"),
+                    key=lambda u: (order.get(u["epsilon_row"], 99), u["method"], u["sigma_01"], u["seed"])):
+        cfg = u.get("config") or {}
+        out.append({"unit": u["unit"], "row": u["epsilon_row"], "method": u["method"],
+                    "network": u.get("network", "tb_cnn"), "k": cfg.get("augment_multiplicity"),
+                    "sigma_01": u["sigma_01"], "seed": u["seed"], "n": u["n"], "epsilon": u.get("epsilon"),
+                    "acc_clean": u.get("acc_clean"),
+                    "cert_acc": {key01(r): u["cert_acc_01"][key01(r)] for r in HEADLINE_RADII_01}})
+    return out
+
+
+def validation_table(summary: dict) -> str:
+    """docs/dp_certified.md's table of the validation units (``validation_units``): per unit its figures at the
+    headline radii, a radius beyond CERTIFY's reach at its sigma and N marked so."""
+    vals = summary.get("validation") or []
+    if not vals:
+        return "No validation unit yet (`--split val`)."
+    names = {"eps_3": "eps 3", "eps_1": "eps 1", "non_private": "non-private",
+             "dp_cert_noise": f"DP-CERT's noise {DP_CERT_NOISE_MULTIPLIER:g}"}
+    rows = ["| row | method (network, k) | sigma_01 | seed | clean (base, no noise) | " + " | ".join(
+                f"r {key01(r)}" for r in HEADLINE_RADII_01) + " | N |",
+            "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in HEADLINE_RADII_01) + " | --- |"]
+    for v in vals:
+        reach = reach01(v["sigma_01"], v["n"])
+        cells = [("beyond reach" if float(r) > reach else f"{a:.1f}") for r, a in v["cert_acc"].items()]
+        clean = "" if v["acc_clean"] is None else f"{v['acc_clean']:.1f}"
+        rows.append(f"| {names.get(v['row'], v['row'])} | {v['method']} ({v['network']}, k {v['k']}) | "
+                    f"{v['sigma_01']} | {v['seed']} | {clean} | " + " | ".join(cells) + f" | {v['n']:,} |")
+    return "\n".join(rows)
+
+
 def load_units(runs: Path) -> list[dict]:
     import json
 
@@ -893,6 +932,7 @@ def summarize(runs: Path, out: Path | None = None, extra: dict | None = None) ->
     mech = mechanism_rows(units)
     if mech:
         payload["mechanisms"] = mech
+    payload["validation"] = validation_units(units)
     payload["units"] = {u["unit"]: {k: v for k, v in u.items() if k not in ("radius_01", "correct", "cert_index")}
                         for u in units}
     payload["cost"] = old.get("cost")
@@ -1238,7 +1278,10 @@ def write_docs(path: Path | None = None, doc: Path = DOC, figure: Path | None = 
                   "one per epsilon: the envelope over them (per radius the best on the certified images: a tuning "
                   "choice); black: the anchors. Vector: "
                   f"[{Path(rel).with_suffix('.pdf').name}]({Path(rel).with_suffix('.pdf')}).")
-    update_doc_blocks({doc: {NAME: block}})
+    blocks = {NAME: block}
+    if f"<!-- {NAME}_validation:begin" in doc.read_text():
+        blocks[f"{NAME}_validation"] = validation_table(summary)
+    update_doc_blocks({doc: blocks})
     log(f"wrote {doc}")
 
 

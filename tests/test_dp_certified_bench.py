@@ -68,6 +68,31 @@ def _unit(method, sigma, seed, accs, split="test", row="eps_3"):
                        "lr": 0.5, "batch_size": 512, "max_grad_norm": 0.1}}
 
 
+def test_validation_table_lists_every_validation_unit_by_row_and_marks_radii_beyond_reach(tmp_path):
+    units = [_unit("dpcert", 0.5, 0, [94.0, 80.0, 46.4, 0.0]),                       # test: not listed
+             _unit("consistency", 1.0, 0, [77.4, 63.2, 45.2, 28.2], "val", "non_private"),
+             dict(_unit("lenet_dpcert", 0.5, 0, [89.4, 72.6, 38.2, 0.0], "val"), network="lenet", acc_clean=96.0),
+             _unit("dpcert", 0.25, 0, [91.8, 0.0, 0.0, 0.0], "val")]
+    vals = bench.validation_units(units)
+    assert [(v["row"], v["method"]) for v in vals] == [("eps_3", "dpcert"), ("eps_3", "lenet_dpcert"),
+                                                       ("non_private", "consistency")]
+    table = bench.validation_table({"validation": vals})
+    lines = table.splitlines()
+    assert len(lines) == 2 + 3
+    # sigma_01 0.25 at N 10,000 reaches r 0.80, 0.5 reaches 1.60: radii past them are not a measured 0
+    assert lines[2].startswith("| eps 3 | dpcert (tb_cnn, k 4) | 0.25 | 0 |  | 91.8 | beyond reach | beyond reach |")
+    assert "| eps 3 | lenet_dpcert (lenet, k 4) | 0.5 | 0 | 96.0 | 89.4 | 72.6 | 38.2 | beyond reach | 10,000 |" in table
+    assert "| non-private | consistency (tb_cnn, k 4) | 1.0 | 0 |  | 77.4 | 63.2 | 45.2 | 28.2 | 10,000 |" in table
+    assert bench.validation_table({}).startswith("No validation unit")
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- dp_certified_mnist:begin -->\n<!-- dp_certified_mnist:end -->\n"
+                   "<!-- dp_certified_mnist_validation:begin -->\nold\n<!-- dp_certified_mnist_validation:end -->\n")
+    res = tmp_path / "r.json"
+    res.write_text(json.dumps({"eps_3": bench.envelope(units, "eps_3"), "validation": vals}))
+    bench.write_docs(res, doc, runs=None)
+    assert "old" not in doc.read_text() and "| eps 3 | lenet_dpcert (lenet, k 4)" in doc.read_text()
+
+
 def test_envelope_takes_the_best_sigma_per_radius_and_prefers_validation():
     units = [_unit("dpcert", 0.25, s, [95 + s, 80, 10, 0]) for s in (0, 1)]
     units += [_unit("dpcert", 1.0, s, [80, 70, 50 + s, 30]) for s in (0, 1)]
@@ -129,7 +154,7 @@ def test_docs_table_states_n_images_domains_and_met_or_missed(tmp_path):
     assert "| 0 (beyond reach: r <= 1.60 at N 10000) (dpcert, sigma_01 0.5, 1 seed; target >= 30: missed) |" in table
     assert bench.reach01(0.5, 10_000) == pytest.approx(0.5 * norm.ppf(0.001 ** 1e-4))
     assert f"{bench.reach01(0.5, 100_000):.2f}" == "1.91" and f"{bench.reach01(1.0, 100_000):.2f}" == "3.81"
-    assert "not run (target >= 90)" in table                   # epsilon 1 absent
+    assert "not run (target >= 92)" in table                   # epsilon 1 absent (issue 53.3's target)
     doc = tmp_path / "doc.md"
     doc.write_text("x\n<!-- dp_certified_mnist:begin -->\nold\n<!-- dp_certified_mnist:end -->\ny\n")
     res = tmp_path / "r.json"
