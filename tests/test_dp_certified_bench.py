@@ -163,6 +163,58 @@ def test_docs_table_states_n_images_domains_and_met_or_missed(tmp_path):
     assert "old" not in doc.read_text() and "94.5" in doc.read_text()
 
 
+def _val_with_counts(method, sigma, counts, n=10_000, keep_counts=True):
+    """A validation unit whose 500 images (all correct) drew ``counts`` for c_A at N ``n``: its radii and
+    figures as CERTIFY gives them, its counts kept or (as before they were recorded) only its radii."""
+    from scipy.stats import norm
+
+    from dpmech.robustness import smoothing
+
+    counts = np.asarray(counts)
+    p = smoothing.lower_confidence_bound(counts, n, 0.001)
+    radius = np.where(p > 0.5, sigma * norm.ppf(np.maximum(p, 0.5)), 0.0)
+    accs = [100.0 * float(np.mean(radius >= r)) for r in bench.CURVE_RADII_01]
+    u = dict(_unit(method, sigma, 0, [0, 0, 0, 0], "val"), n=n, sigma_pm1=2 * sigma,
+             radius_01=[round(float(r), 5) for r in radius], correct=[True] * len(counts))
+    u["cert_acc_01"] = dict(zip(map(bench.key01, bench.CURVE_RADII_01), accs))
+    if keep_counts:
+        u["count_a"] = [int(c) for c in counts]
+    return u
+
+
+@pytest.mark.parametrize("keep_counts", [True, False])
+def test_validation_at_n_10000_chooses_for_a_row_at_n_100000_on_figures_projected_to_it(keep_counts):
+    """Near N 10,000's reach (sigma_01 0.5: 1.60) r 1.5 needs p_A_lower >= Phi(3): 300 of 500 validation images
+    drawing 9,992 of 10,000 for c_A fail it at N 10,000 (radius 1.47) but pass at N 100,000 (about 1.53). The
+    row certified at N 100,000 chooses sigma_01 0.5 there on the projected figures (60 against sigma_01 1.0's
+    40), where the raw N 10,000 figures (0 against 40: the negative control, ``projected_cert_acc`` at the
+    unit's own N) would choose 1.0; counts recovered from the radii give the same."""
+    a = _val_with_counts("dpcert", 0.5, [9992] * 300 + [6000] * 200, keep_counts=keep_counts)
+    b = _val_with_counts("consistency", 1.0, [9500] * 200 + [6000] * 300, keep_counts=keep_counts)
+    assert a["cert_acc_01"]["1.5"] == 0.0 and b["cert_acc_01"]["1.5"] == 40.0
+    assert bench.projected_cert_acc(a, 10_000) == pytest.approx(a["cert_acc_01"])          # the round trip
+    assert bench.projected_cert_acc(a, 100_000)["1.5"] == 60.0
+    assert bench.projected_cert_acc(b, 100_000)["1.5"] == 40.0
+    test = [dict(_unit("dpcert", 0.5, 0, [93.0, 82.0, 58.0, 0.0]), n=100_000),
+            dict(_unit("consistency", 1.0, 0, [76.0, 61.0, 43.0, 28.0]), n=100_000)]
+    e = bench.envelope(test + [a, b], "eps_3")
+    assert e["n"] == 100_000 and e["config"]["1.5"]["method"] == "dpcert" and e["cert_acc"]["1.5"] == 58.0
+    assert e["selection_short"] == "validation split (projected to N 100,000)"
+    assert "projected to the row's N 100,000" in e["selection"]
+    # at the validation units' own N nothing is projected
+    e10 = bench.envelope([dict(u, n=10_000) for u in test] + [a, b], "eps_3")
+    assert e10["config"]["1.5"]["method"] == "consistency" and e10["selection_short"] == "validation split"
+
+
+def test_the_projection_check_compares_each_model_certified_at_both_n():
+    small = dict(_val_with_counts("gaussian", 0.5, [9992] * 300 + [6000] * 200), split="test", unit="s")
+    big = dict(small, n=100_000, unit="b", cert_acc_01={k: 61.0 if k == "1.5" else 0.0 for k in small["cert_acc_01"]})
+    c = bench.projection_check([small, big])
+    assert len(c["pairs"]) == 1 and c["pairs"][0]["1.5"] == {"n_10000": 0.0, "projected": 60.0, "measured": 61.0}
+    assert c["mean_abs_error"]["1.5"] == pytest.approx(1.0) and c["mean_abs_error_unprojected"]["1.5"] == 61.0
+    assert bench.projection_check([small]) == {}
+
+
 def test_dp_certs_noise_multiplier_is_a_row_of_its_own_without_a_target():
     """``--epsilons dpcert-noise``: DP-SGD at DP-CERT's noise multiplier (1.23, batch 512, 40 epochs), the
     epsilon computed from what ran (2.90 at delta 1e-6 by the RDP ledger: below the eps 3 row's 3.36); its
