@@ -737,7 +737,8 @@ def envelope(units: list[dict], row: str, methods=None) -> dict | None:
     out["selection_short"] = (("validation split" + (f" (projected to N {n:,})" if projected else "")) if by_validation else
                               f"certified images (a tuning choice), compared on seeds {seeds_txt or 'none'}")
     out["selection"] = ("per radius, the configuration best on the validation split (55,000 / 5,000)"
-                        + (f", its N 10,000 counts projected to the row's N {n:,}" if projected else "")
+                        + (f", its N {min(u['n'] for g in groups for u in val[g]):,} counts projected to the row's "
+                           f"N {n:,}" if projected else "")
                         if by_validation else
                         "per radius, the envelope over the configurations run on the certified test images "
                         "themselves (Cohen et al.'s best sigma per radius), compared on the seeds they share "
@@ -1348,8 +1349,8 @@ def write_docs(path: Path | None = None, doc: Path = DOC, figure: Path | None = 
     if draw_figure(summary, figure, runs):
         rel = os.path.relpath(figure, doc.parent)
         block += (f"\n\n![certified accuracy against l2 radius]({rel})\n\nA thin curve per (method, sigma), a thick "
-                  "one per epsilon: the envelope over them (per radius the best on the certified images: a tuning "
-                  "choice); black: the anchors. Vector: "
+                  "one per epsilon: per radius the configuration its row chose (the table's last column says how: on "
+                  "the validation split, or on the certified images, a tuning choice); black: the anchors. Vector: "
                   f"[{Path(rel).with_suffix('.pdf').name}]({Path(rel).with_suffix('.pdf')}).")
     blocks = {NAME: block}
     if f"<!-- {NAME}_validation:begin" in doc.read_text():
