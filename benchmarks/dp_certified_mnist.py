@@ -859,6 +859,11 @@ def dpcert_recipe_rows(units: list[dict]) -> dict | None:
     return out
 
 
+def cert_sigma01(u: dict) -> float:
+    """The smoothing noise a unit was certified at, [0, 1] domain (its radii's sigma)."""
+    return u.get("sigma_pm1", 2.0 * u["sigma_01"]) / 2.0
+
+
 def unit_counts(u: dict) -> np.ndarray:
     """Each certified image's c_A count of a unit (-1: abstained): recorded since 2026-12-08, recovered from
     the recorded radius before (``smoothing.count_from_radius``)."""
@@ -866,8 +871,7 @@ def unit_counts(u: dict) -> np.ndarray:
 
     if u.get("count_a") is not None:
         return np.asarray(u["count_a"], dtype=np.int64)
-    sigma01 = u.get("sigma_pm1", 2.0 * u["sigma_01"]) / 2.0
-    return smoothing.count_from_radius(np.asarray(u["radius_01"], dtype=float), u["n"], sigma01, u["alpha"])
+    return smoothing.count_from_radius(np.asarray(u["radius_01"], dtype=float), u["n"], cert_sigma01(u), u["alpha"])
 
 
 def projected_cert_acc(u: dict, n_target: int) -> dict:
@@ -877,8 +881,7 @@ def projected_cert_acc(u: dict, n_target: int) -> dict:
     is the unit's figures (the counts' round trip)."""
     from dpmech.robustness import smoothing
 
-    sigma01 = u.get("sigma_pm1", 2.0 * u["sigma_01"]) / 2.0
-    rad = smoothing.projected_radius(unit_counts(u), u["n"], n_target, sigma01, u["alpha"])
+    rad = smoothing.projected_radius(unit_counts(u), u["n"], n_target, cert_sigma01(u), u["alpha"])
     ok = np.asarray(u["correct"], dtype=bool)
     return {key01(r): 100.0 * float(np.mean(ok & (rad >= r))) for r in CURVE_RADII_01}
 
